@@ -1,0 +1,109 @@
+"""Models and tokenizers: a Hub checkpoint, its architecture with random weights, or the tiny CPU model.
+
+The tiny scale uses the very same `transformers.Qwen3ForCausalLM` code path as the paper's
+Qwen3-4B-Instruct-2507, built from a small config (GQA on), and a byte-level BPE tokenizer that the
+project builds itself: every byte is a token (so any text round-trips, GSM8K included), and the
+synthetic tasks' words (` f12`, ` k3`, ` v40`, ...) are single tokens through explicit merge chains.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
+SPECIAL_TOKENS = [PAD, BOS, EOS]
+
+# The words of the synthetic tasks (smd_cli/tasks/synthetic.py): filler, keys, values and markers.
+N_FILLER, N_KEYS, N_VALUES = 128, 64, 64
+MARKERS = ["KEY", "QUERY", "ANSWER", "NEEDLE", "SEP"]
+
+
+def tiny_words() -> list[str]:
+    """The synthetic vocabulary, each word a single token of the tiny tokenizer."""
+    return (
+        [f"f{i}" for i in range(N_FILLER)]
+        + [f"k{i}" for i in range(N_KEYS)]
+        + [f"v{i}" for i in range(N_VALUES)]
+        + MARKERS
+    )
+
+
+def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE: 256 byte tokens plus one merge chain per synthetic word (deterministic, offline)."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for word in tiny_words():
+        piece = "\u0120" + word  # the byte-level form of " word"
+        for end in range(2, len(piece) + 1):
+            left, right, merged = piece[: end - 1], piece[end - 1], piece[:end]
+            if merged not in vocab:
+                vocab[merged] = len(vocab)
+                merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    # Split before each space (the space stays with the word that follows), then map bytes; no GPT-2
+    # regex, which would cut " v40" into " v" and "40".
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(" ", behavior="merged_with_next"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS, padding_side="left"
+    )
+
+
+def tiny_config(vocab_size: int, **overrides) -> Qwen3Config:
+    """A small Qwen3: 2 layers, 64 wide, 4 query heads sharing 2 KV heads (GQA), tied embeddings."""
+    base = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+    base.update(overrides)
+    return Qwen3Config(**base)
+
+
+def build_tiny_model(vocab_size: int, seed: int = 0, **overrides) -> Qwen3ForCausalLM:
+    """A randomly initialised tiny Qwen3 (float32), reproducible from `seed`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_config(vocab_size, **overrides))
+    model.generation_config.pad_token_id = 0
+    return model.float()
+
+
+def load_hub_model(name_or_path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, random_init: bool):
+    """A Hub (or local) causal LM; `random_init` builds the architecture from its config only."""
+    torch_dtype = getattr(torch, dtype)
+    if random_init:
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(
+            config, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+    )
+
+
+def load_hub_tokenizer(name_or_path: str, trust_remote_code: bool):
+    tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok

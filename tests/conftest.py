@@ -1,0 +1,34 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(2)
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from smd_cli.models import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_model(tiny_tokenizer):
+    """A fresh random tiny Qwen3 (2 layers, 4 heads, 2 KV heads), float32, eval mode."""
+    from smd_cli.models import build_tiny_model
+
+    return build_tiny_model(len(tiny_tokenizer), seed=0).eval()
+
+
+@pytest.fixture
+def shared_data():
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"reference data not found at {SHARED_DATA}")
+    return SHARED_DATA
