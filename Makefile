@@ -1,0 +1,37 @@
+# smd: the two commands of the quick start are `make train` and `make test`.
+PYTHON ?= python3
+TORCH ?= 2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(TORCH)
+export HF_HUB_OFFLINE ?= 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install train test test-fast bench reproduce clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*## "}; {printf "  make %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "torch==$(TORCH)"
+	$(BIN)/pip install --quiet -e ".[dev]"
+	@touch $@
+
+install: $(STAMP) ## create .venv, install torch==$(TORCH) (CPU wheel by default), then the project with [dev]
+
+train: install ## run the embedded default experiment on the CPU (warm start + dense GRPO on the tiny scale)
+	$(BIN)/smd train
+
+test: install ## run the whole test suite (offline, CPU)
+	$(BIN)/python -m pytest -q
+
+test-fast: install ## the suite without the slow end-to-end stage runs
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench: install ## benchmarks: ratios measured side by side in one run
+	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+clean: ## remove the virtual environment, caches and run directories
+	rm -rf $(VENV) .cache runs outputs multirun .pytest_cache *.egg-info
