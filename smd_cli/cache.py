@@ -1,0 +1,146 @@
+"""A fixed-capacity KV cache that evicts by freeing slots, and the measurement of cache bytes.
+
+`DynamicCache` appends with `torch.cat`, copying each layer at every step, and never shrinks. The
+`EvictingCache` here allocates each layer once, right after that layer's prefill attention has run and
+the policy has chosen what to keep, as `[B, Hkv, S, D]` slots with a per-slot original column (-1 = free)
+and a per-slot score. Eviction only marks slots free; the next token is written into the first free
+slot of each (row, KV head) in place, so memory stays flat for the whole rollout. Keys keep their true
+RoPE positions (applied before they reach the cache). Slot order carries no meaning: attention over a set
+of keys does not depend on their order, and the original columns say where each entry came from.
+
+`kv_bytes` measures what a cache holds from its allocated tensors (storage nbytes), for this cache and
+for transformers' `DynamicCache` alike; `KVMeter` keeps the peak over a rollout.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+FREE = -1
+
+
+class EvictingLayer(CacheLayerMixin):
+    """One layer's slots: keys/values [B, Hkv, S, D], columns [B, Hkv, S] int32, scores [B, Hkv, S] float32."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = int(capacity)
+        self.columns: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise RuntimeError("EvictingLayer is initialised by `fill` after the prefill attention, not lazily")
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, index: torch.Tensor, ok: torch.Tensor, scores: torch.Tensor) -> None:
+        """Allocate the layer and copy the kept prompt entries `index` [B, Hkv, K] of keys/values [B, Hkv, P, D]."""
+        batch, kv_heads, _, head_dim = keys.shape
+        kept = index.shape[-1]
+        if kept > self.capacity:
+            raise ValueError(f"{kept} kept prompt entries exceed the cache capacity {self.capacity}")
+        self.keys = keys.new_zeros(batch, kv_heads, self.capacity, head_dim)  # [B, Hkv, S, D]
+        self.values = values.new_zeros(batch, kv_heads, self.capacity, head_dim)
+        gather = index[..., None].expand(-1, -1, -1, head_dim)
+        self.keys[:, :, :kept] = keys.gather(2, gather)
+        self.values[:, :, :kept] = values.gather(2, gather)
+        self.columns = torch.full((batch, kv_heads, self.capacity), FREE, dtype=torch.int32, device=keys.device)
+        self.columns[:, :, :kept] = torch.where(ok, index, FREE).to(torch.int32)
+        self.scores = torch.zeros(batch, kv_heads, self.capacity, device=keys.device)
+        self.scores[:, :, :kept] = scores.float().masked_fill(~ok, 0.0)
+        self.device, self.is_initialized = keys.device, True
+
+    def update(self, key_states, value_states, column: int | None = None, active: torch.Tensor | None = None, **kwargs):
+        """Write one new token [B, Hkv, 1, D] into the first free slot of each (row, KV head); rows not
+        `active` (finished) write nothing visible. Before `fill`, return the prompt states untouched."""
+        if not self.is_initialized:
+            return key_states, value_states
+        if key_states.shape[2] != 1 or column is None:
+            raise ValueError(f"EvictingLayer decodes one token at a time with its column; got {key_states.shape[2]} tokens")
+        free = self.columns == FREE  # [B, Hkv, S]
+        if not bool(free.any(dim=-1).all()):
+            raise RuntimeError(f"EvictingLayer is full (capacity {self.capacity}); the policy evicted too little")
+        slot = free.int().argmax(dim=-1, keepdim=True)  # [B, Hkv, 1]
+        head_dim = key_states.shape[-1]
+        self.keys.scatter_(2, slot[..., None].expand(-1, -1, -1, head_dim), key_states)
+        self.values.scatter_(2, slot[..., None].expand(-1, -1, -1, head_dim), value_states)
+        new_column = torch.where(active, column, FREE).to(torch.int32)[:, None, None]  # [B, 1, 1]
+        self.columns.scatter_(2, slot, new_column.expand_as(slot))
+        self.scores.scatter_(2, slot, 0.0)
+        return self.keys, self.values
+
+    def evict(self, slots: torch.Tensor) -> torch.Tensor:
+        """Free `slots` [B, Hkv, S] bool; returns the columns they held (FREE where not evicted)."""
+        evicted = torch.where(slots, self.columns, FREE)
+        self.columns.masked_fill_(slots, FREE)
+        self.scores.masked_fill_(slots, 0.0)
+        return evicted
+
+    def valid(self) -> torch.Tensor:
+        return self.columns >= 0  # [B, Hkv, S]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return (self.capacity if self.is_initialized else query_length), 0
+
+    def get_seq_length(self) -> int:
+        return int(self.valid().sum(dim=-1).max()) if self.is_initialized else 0
+
+    def get_max_length(self) -> int:
+        return self.capacity
+
+
+class EvictingCache(Cache):
+    """`Cache` of `EvictingLayer`s. The rollout sets the column being decoded with `begin_step`."""
+
+    def __init__(self, num_layers: int, capacity: int):
+        super().__init__(layers=[EvictingLayer(capacity) for _ in range(num_layers)])
+        self.column: int | None = None
+        self.active: torch.Tensor | None = None
+
+    def begin_step(self, column: int, active: torch.Tensor) -> None:
+        """The next `update` calls write the token at `column`; rows with `active` False [B] stay hidden."""
+        self.column, self.active = int(column), active
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states, column=self.column, active=self.active)
+
+    def held_entries(self) -> int:
+        """Real entries held now, summed over rows, layers and KV heads."""
+        return sum(int(layer.valid().sum()) for layer in self.layers if layer.is_initialized)
+
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors` (each storage counted once): what is allocated, not numel."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor is None or tensor.numel() == 0:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def kv_bytes(cache: Cache) -> int:
+    """Key and value bytes a transformers cache holds (DynamicCache or EvictingCache), from its storages."""
+    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def bookkeeping_bytes(cache: Cache) -> int:
+    """Bytes of an EvictingCache's per-slot columns and scores (0 for other caches)."""
+    return tensor_bytes(t for layer in cache.layers for t in (getattr(layer, "columns", None), getattr(layer, "scores", None)))
+
+
+class KVMeter:
+    """Peak KV bytes and peak held entries of one cache, observed after every forward of a rollout."""
+
+    def __init__(self):
+        self.bytes_peak = 0
+        self.entries_peak = 0
+        self.bookkeeping_peak = 0
+
+    def observe(self, cache: Cache) -> None:
+        self.bytes_peak = max(self.bytes_peak, kv_bytes(cache))
+        self.bookkeeping_peak = max(self.bookkeeping_peak, bookkeeping_bytes(cache))
+        if isinstance(cache, EvictingCache):
+            self.entries_peak = max(self.entries_peak, cache.held_entries())

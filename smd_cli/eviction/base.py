@@ -1,0 +1,146 @@
+"""The shared base of every eviction policy: budgets, protected entries, top-k selection.
+
+A policy only scores (the kvpress `KnormPress` shape): `prefill_scores` says how much each prompt entry
+deserves to stay, per (row, KV head); this base turns scores into kept entries under the budget of
+DESIGN.md section 2, `k = clamp(ceil((1 - c) * P), min = sink + window, max = P)` per row, always keeping
+the first `sink` real tokens and the newest `window` ones. Decode-time policies (H2O) also override
+`decode_scores`, and the base then evicts one entry per step whenever a (row, KV head) holds more than its
+budget. Policies never see slots or caches beyond the tensors handed to them, and never re-run in the
+learner: the rollout records what they chose (the shadow mask).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillView:
+    """One layer's attention at prefill, as a policy may inspect it (scores are computed on demand)."""
+
+    query: torch.Tensor  # [B, H, P, D], RoPE applied
+    key: torch.Tensor  # [B, Hkv, P, D], RoPE applied
+    mask: torch.Tensor  # [B, 1, P, P] bool: causal, padding keys hidden, padding queries see themselves
+    key_real: torch.Tensor  # [B, P] bool: real (non-padding) prompt tokens
+    scaling: float
+    layer_idx: int
+
+    @property
+    def groups(self) -> int:
+        return self.query.shape[1] // self.key.shape[1]
+
+    def attention(self, start: int, stop: int | None = None) -> torch.Tensor:
+        """Attention probabilities of query rows [start, stop) over the whole prompt: [B, H, q, P]."""
+        query = self.query[:, :, start:stop].float()
+        key = self.key.float().repeat_interleave(self.groups, dim=1)  # [B, H, P, D]
+        logits = query @ key.transpose(-1, -2) * self.scaling  # [B, H, q, P]
+        logits = logits.masked_fill(~self.mask[:, :, start:stop], float("-inf"))
+        return logits.softmax(dim=-1)
+
+    def attention_received(self, chunk: int = 256) -> torch.Tensor:
+        """Attention each key receives, summed over all query rows, computed `chunk` rows at a time: [B, H, P]."""
+        prompt_width = self.query.shape[2]
+        total = torch.zeros(self.query.shape[:2] + (prompt_width,), device=self.query.device)
+        for start in range(0, prompt_width, chunk):
+            total += self.attention(start, start + chunk).sum(dim=2)
+        return total
+
+    def per_kv_head(self, scores: torch.Tensor) -> torch.Tensor:
+        """Mean over each KV head's query group (GQA): [B, H, P] -> [B, Hkv, P]."""
+        batch, heads, width = scores.shape
+        return scores.view(batch, heads // self.groups, self.groups, width).mean(dim=2)
+
+
+@dataclass
+class Selection:
+    """Kept prompt entries of one layer, sorted by position; `ok` is False on the padding of short rows."""
+
+    index: torch.Tensor  # [B, Hkv, K] long: prompt columns kept
+    ok: torch.Tensor  # [B, Hkv, K] bool
+    scores: torch.Tensor  # [B, Hkv, K] float32: the policy's score of each kept entry
+
+
+class EvictionPolicy:
+    """Base class: decide per (layer, KV head) which KV entries to drop. Subclasses implement the scores."""
+
+    decode_time: bool = False  # True for policies that also evict while generating
+
+    def __init__(self, compression: float = 0.5, sink: int = 4, window: int = 16):
+        if not 0.0 <= compression < 1.0:
+            raise ValueError(f"compression must be in [0, 1) (fraction of prompt KV evicted), got {compression}")
+        if sink < 0 or window < 0:
+            raise ValueError(f"sink and window must be >= 0, got sink={sink}, window={window}")
+        self.compression, self.sink, self.window = float(compression), int(sink), int(window)
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "decode_time")
+        return f"{type(self).__name__}({fields})"
+
+    # -- what a policy implements ------------------------------------------------------------------
+    def prefill_scores(self, view: PrefillView) -> torch.Tensor:
+        """Score of each prompt entry, higher = keep: [B, Hkv, P]."""
+        raise NotImplementedError
+
+    def decode_scores(self, slot_scores: torch.Tensor, attention: torch.Tensor, step: int) -> torch.Tensor:
+        """Decode-time policies: new per-slot scores [B, Hkv, S] from the old ones and the attention that
+        decode step `step` (0 = the first generated token is fed) paid to each slot."""
+        raise NotImplementedError(f"{type(self).__name__} does not evict while decoding")
+
+    def evicts_after(self, step: int) -> bool:
+        """Whether decode step `step` ends with an eviction (every step for H2O)."""
+        return self.decode_time
+
+    def cache_growth(self, decode_steps: int) -> int:
+        """Slots beyond the prompt budget that the cache needs for `decode_steps` fed tokens (the last
+        sampled token is never fed): all of them, or one at a time when evicting while decoding."""
+        return 1 if self.decode_time else decode_steps
+
+    # -- shared bookkeeping ------------------------------------------------------------------------
+    def budget(self, prompt_lengths: torch.Tensor) -> torch.Tensor:
+        """Kept prompt entries per row: clamp(ceil((1 - c) * P), sink + window, P). [B] long."""
+        keep = torch.tensor([math.ceil((1.0 - self.compression) * int(p)) for p in prompt_lengths])
+        keep = keep.clamp(min=self.sink + self.window)
+        return torch.minimum(keep, prompt_lengths.cpu()).to(prompt_lengths.device)
+
+    def protected_prompt(self, key_real: torch.Tensor) -> torch.Tensor:
+        """The first `sink` and the newest `window` real prompt tokens of each row: [B, P] bool."""
+        rank = key_real.long().cumsum(dim=-1) - 1  # [B, P] index among real tokens
+        from_end = key_real.long().sum(dim=-1, keepdim=True) - 1 - rank
+        return key_real & ((rank < self.sink) | (from_end < self.window))
+
+    def select_prefill(self, view: PrefillView, budget: torch.Tensor) -> Selection:
+        """Top-`budget` entries per (row, KV head) by score, protected ones first, sorted by position."""
+        raw = self.prefill_scores(view).float()  # [B, Hkv, P]
+        ranked = raw.masked_fill(self.protected_prompt(view.key_real)[:, None], float("inf"))
+        ranked = ranked.masked_fill(~view.key_real[:, None], float("-inf"))
+        width = int(budget.max())
+        top = ranked.topk(width, dim=-1).indices  # [B, Hkv, K]
+        in_budget = torch.arange(width, device=top.device) < budget[:, None, None]
+        prompt_width = raw.shape[-1]
+        index, _ = torch.where(in_budget, top, prompt_width).sort(dim=-1)
+        ok = index < prompt_width
+        index = index.clamp(max=prompt_width - 1)
+        return Selection(index=index, ok=ok, scores=raw.gather(-1, index))
+
+    def select_decode(
+        self,
+        slot_scores: torch.Tensor,
+        slot_columns: torch.Tensor,
+        budget: torch.Tensor,
+        column: int,
+        first_real: torch.Tensor,
+    ) -> torch.Tensor:
+        """Slots to evict after the step at `column`: in every (row, KV head) holding more than its budget,
+        the lowest-scoring entries outside the newest `window` and the `sink` first, down to the budget.
+        slot_columns [B, Hkv, S] (-1 = free). Returns [B, Hkv, S] bool."""
+        valid = slot_columns >= 0
+        excess = (valid.sum(dim=-1) - budget[:, None]).clamp(min=0)  # [B, Hkv]
+        recent = slot_columns > column - self.window
+        sinks = slot_columns < (first_real + self.sink)[:, None, None]
+        candidates = valid & ~recent & ~sinks
+        order = slot_scores.masked_fill(~candidates, float("inf")).argsort(dim=-1, stable=True)  # lowest first
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        return candidates & (rank < excess[..., None])

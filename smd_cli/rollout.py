@@ -1,0 +1,210 @@
+"""Batched sampling with an evicting KV cache, recording what every generated token could see.
+
+`generate` left-pads the prompts, prefills, then decodes one token per step for all rows. With a policy,
+the model runs the `ROLLOUT` attention (`smd_cli.rollout_attention`): each layer attends, then the
+policy evicts from that layer's `EvictingCache` (evict after the attention has run), and the evictions are
+written into the shadow mask `evict_at[N, L, Hkv, T]` (DESIGN.md section 2). Without a policy it is a
+plain dense rollout on a `DynamicCache`. The sampler's log-probs are `log_softmax(logits / temperature)`
+at the sampled token, before top-p filtering (temperature 0 = greedy, scored at temperature 1).
+Keys keep their true RoPE positions: every forward gets the rows' real `position_ids`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from smd_cli.cache import EvictingCache, KVMeter, kv_bytes
+from smd_cli.eviction.base import EvictionPolicy
+from smd_cli.rollout_attention import ROLLOUT, RolloutState
+from smd_cli.shadow import attention_implementation, position_ids_from_mask
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: torch.LongTensor  # [N, T] left-padded prompts (width P) then responses (width R)
+    attention_mask: torch.LongTensor  # [N, T] 1 on real tokens (prompt, response up to and including eos)
+    prompt_length: int  # P
+    response_mask: torch.BoolTensor  # [N, R] generated tokens up to and including eos
+    logprobs: torch.Tensor  # [N, R] float32 sampler log-probs, 0 where masked
+    evict_at: torch.Tensor | None  # [N, L, Hkv, T] int32 shadow mask; None for a dense rollout
+    stats: dict[str, float] = field(default_factory=dict)
+    visibility: torch.Tensor | None = None  # [N, L, Hkv, T, T] bool, only with record_visibility=True
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as [N, P] token ids and attention mask, padded on the left."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)  # [N, P]
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
+        mask[row, width - len(prompt):] = 1
+    return ids, mask
+
+
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+    """Draw one token per row from logits [N, V]; returns tokens [N] and log_softmax(logits / T) there [N]."""
+    logits = logits.float()
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)
+        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps at least the top token
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _check(temperature: float, top_p: float, max_new_tokens: int) -> None:
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+
+
+def _progress(enabled: bool, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled)
+    return progress, progress.add_task("decode", total=total)
+
+
+@torch.no_grad()
+def dense_kv_bytes(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
+    """Bytes a dense `DynamicCache` holds after the same tokens (its peak: it only grows), measured."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), cache=cache, use_cache=True, logits_to_keep=1)
+    return kv_bytes(cache)
+
+
+@dataclass
+class _Run:
+    """The growing batch of one rollout: tokens, masks, sampler log-probs, the cache and its meter."""
+
+    input_ids: torch.Tensor  # [N, P + Rmax]
+    attention_mask: torch.Tensor  # [N, P + Rmax]
+    prompt_width: int
+    positions: torch.Tensor  # [N] RoPE position of each row's next token
+    logprobs: torch.Tensor  # [N, Rmax]
+    finished: torch.Tensor  # [N] bool
+    cache: object
+    state: RolloutState | None
+    meter: KVMeter = field(default_factory=KVMeter)
+    steps: int = 0
+
+    @classmethod
+    def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility) -> "_Run":
+        rows, prompt_width = prompt_ids.shape
+        input_ids = prompt_ids.new_full((rows, prompt_width + max_new_tokens), pad_token_id)
+        attention_mask = torch.zeros_like(input_ids)
+        input_ids[:, :prompt_width], attention_mask[:, :prompt_width] = prompt_ids, prompt_mask
+        state = None
+        if policy is None:
+            cache = DynamicCache(config=model.config)
+        else:
+            capacity = int(policy.budget(prompt_mask.sum(-1)).max()) + policy.cache_growth(max_new_tokens - 1)
+            cache = EvictingCache(model.config.num_hidden_layers, capacity)
+            state = RolloutState.start(model.config, policy, cache, prompt_mask, max_new_tokens, record_visibility)
+        return cls(input_ids, attention_mask, prompt_width, prompt_mask.sum(-1), torch.zeros(rows, max_new_tokens, device=input_ids.device),
+                   torch.zeros(rows, dtype=torch.bool, device=input_ids.device), cache, state)
+
+    def forward(self, model, step: int) -> torch.Tensor:
+        """Feed the prompt (step 0) or the last sampled token; returns next-token logits [N, V]."""
+        column = self.prompt_width + step  # column of the token sampled at this step
+        if step == 0:
+            prompt_mask = self.attention_mask[:, : self.prompt_width]
+            feed = dict(input_ids=self.input_ids[:, : self.prompt_width], position_ids=position_ids_from_mask(prompt_mask))
+        else:
+            feed = dict(input_ids=self.input_ids[:, column - 1:column], position_ids=(self.positions - 1)[:, None])
+        if self.state is None:
+            feed["attention_mask"] = self.attention_mask[:, :column]
+        else:
+            feed["rollout_state"] = self.state
+            self.cache.begin_step(column - 1, self.attention_mask[:, column - 1].bool())
+        logits = model(**feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+        self.meter.observe(self.cache)
+        if self.state is not None:
+            self.meter.entries_peak = max(self.meter.entries_peak, self.state.entries_peak)
+        return logits
+
+    def record(self, step: int, tokens, token_logp, eos_token_id: int, pad_token_id: int) -> None:
+        live = ~self.finished
+        column = self.prompt_width + step
+        self.input_ids[:, column] = torch.where(live, tokens, pad_token_id)
+        self.attention_mask[:, column] = live.long()
+        self.logprobs[:, step] = torch.where(live, token_logp, 0.0)
+        self.positions += live.long()
+        self.finished |= live & (tokens == eos_token_id)
+        self.steps = step + 1
+
+    def batch(self, model, measure_dense_kv: bool) -> RolloutBatch:
+        width = self.prompt_width + self.steps
+        input_ids, attention_mask = self.input_ids[:, :width], self.attention_mask[:, :width]
+        response_mask = attention_mask[:, self.prompt_width:].bool()
+        stats = {
+            "kv/bytes_peak": float(self.meter.bytes_peak),
+            "kv/bookkeeping_bytes": float(self.meter.bookkeeping_peak),
+            "rollout/response_length_mean": float(response_mask.sum(-1).float().mean()),
+            "rollout/steps": float(self.steps),
+        }
+        evict_at = visibility = None
+        if self.state is None:
+            stats.update({"kv/bytes_peak_dense": float(self.meter.bytes_peak), "kv/kept_fraction": 1.0})
+        else:
+            evict_at, visibility = self.state.finish(attention_mask)
+            fed = attention_mask[:, : width - 1]  # the last sampled token is never fed
+            dense = dense_kv_bytes(model, input_ids[:, : width - 1], fed) if measure_dense_kv else float("nan")
+            real_entries = int(fed.sum()) * model.config.num_hidden_layers * model.config.num_key_value_heads
+            stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.meter.entries_peak / max(real_entries, 1)})
+        return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, : self.steps],
+                            evict_at, stats, visibility)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    *,
+    policy: EvictionPolicy | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    eos_token_id: int,
+    pad_token_id: int,
+    progress: bool = False,
+    record_visibility: bool = False,
+    measure_dense_kv: bool = True,
+) -> RolloutBatch:
+    """Sample responses to `prompts` (the caller repeats each one G times), evicting with `policy`.
+
+    Stops when every row has emitted `eos_token_id` or after `max_new_tokens`. `record_visibility` keeps
+    a [N, L, Hkv, T, T] log of what each query saw (debugging and tests). `measure_dense_kv` measures a
+    dense DynamicCache over the same tokens for `kv/bytes_peak_dense`."""
+    _check(temperature, top_p, max_new_tokens)
+    started = time.perf_counter()
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
+    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility)
+    bar, task = _progress(progress, max_new_tokens)
+    implementation = model.config._attn_implementation if policy is None else ROLLOUT
+    with bar, attention_implementation(model, implementation):
+        for step in range(max_new_tokens):
+            tokens, token_logp = sample(run.forward(model, step), temperature, top_p, generator)
+            run.record(step, tokens, token_logp, eos_token_id, pad_token_id)
+            bar.advance(task)
+            if bool(run.finished.all()):
+                break
+    batch = run.batch(model, measure_dense_kv)
+    batch.stats["rollout/seconds"] = time.perf_counter() - started
+    return batch

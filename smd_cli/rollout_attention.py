@@ -1,0 +1,134 @@
+"""The rollout's attention: attend, let the policy evict from the layer's cache, record the shadow mask.
+
+Registered as `ROLLOUT` with transformers' `AttentionInterface`; the rollout passes a `RolloutState` as
+the `rollout_state=` keyword of every forward. No mask function is registered: this attention builds its
+own masks (the 2-D padding mask is applied by physical slot, so left-padded rows need per-slot masks).
+
+Prefill (the whole padded prompt, one layer at a time): causal attention with padding keys hidden, then
+the policy scores what it needs (SnapKV only the observation-window rows, H2O column sums in chunks) and
+the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt
+KV of only one layer is ever alive. Decode (one token): attention over the valid slots; decode-time
+policies then update their slot scores and evict. Every eviction after the query at column `i` has
+attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from smd_cli.cache import FREE, EvictingCache
+from smd_cli.eviction.base import EvictionPolicy, PrefillView
+from smd_cli.shadow import NEVER, sdpa_per_kv_head
+
+ROLLOUT = "smd_rollout"
+
+
+@dataclass
+class RolloutState:
+    """What the rollout attention needs and what it records, for one batch of rows."""
+
+    policy: EvictionPolicy
+    cache: EvictingCache
+    key_real: torch.Tensor  # [N, P] bool: real prompt tokens
+    budget: torch.Tensor  # [N] kept prompt entries per row
+    first_real: torch.Tensor  # [N] column of each row's first real token
+    evict_at: torch.Tensor  # [N, L, Hkv, P + Rmax + 1] int32; the last column collects writes to nowhere
+    visibility: torch.Tensor | None  # [N, L, Hkv, P + Rmax, P + Rmax] bool when recording
+    layer_entries: list[int]
+    entries_peak: int = 0
+
+    @classmethod
+    def start(cls, config, policy, cache, prompt_mask, max_new_tokens: int, record_visibility: bool) -> "RolloutState":
+        rows, prompt_width = prompt_mask.shape
+        layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
+        width = prompt_width + max_new_tokens
+        device = prompt_mask.device
+        lengths = prompt_mask.sum(dim=-1)
+        evict_at = torch.full((rows, layers, kv_heads, width + 1), NEVER, dtype=torch.int32, device=device)
+        visibility = torch.zeros(rows, layers, kv_heads, width, width, dtype=torch.bool, device=device) if record_visibility else None
+        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, [0] * layers)
+
+    @property
+    def prompt_width(self) -> int:
+        return self.key_real.shape[1]
+
+    def finish(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The shadow mask [N, L, Hkv, T] for the final width T: padding 0, never evicted T."""
+        width = attention_mask.shape[1]
+        evict_at = self.evict_at[..., :width].clamp(max=width)
+        evict_at = evict_at.masked_fill(~attention_mask.bool()[:, None, None, :], 0)
+        visibility = None if self.visibility is None else self.visibility[..., :width, :width]
+        return evict_at.contiguous(), visibility
+
+
+def _prefill(module, query, key, value, scaling, state: RolloutState):
+    layer, width = module.layer_idx, state.prompt_width
+    columns = torch.arange(width, device=query.device)
+    causal = columns[None, :] <= columns[:, None]  # [P, P]
+    mask = (causal & state.key_real[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=query.device)  # [N, 1, P, P]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+    view = PrefillView(query=query, key=key, mask=mask, key_real=state.key_real, scaling=scaling, layer_idx=layer)
+    chosen = state.policy.select_prefill(view, state.budget)
+    state.cache.layers[layer].fill(key, value, chosen.index, chosen.ok, chosen.scores)
+    target = torch.where(chosen.ok, chosen.index, width)  # padding of short rows goes to a spare column
+    kept = torch.zeros(key.shape[:2] + (width + 1,), dtype=torch.bool, device=key.device).scatter_(-1, target, True)[..., :width]  # [N, Hkv, P]
+    real = state.key_real[:, None, :].expand_as(kept)
+    state.evict_at[:, layer, :, :width] = torch.where(real & ~kept, width, torch.where(real, NEVER, 0)).to(torch.int32)
+    if state.visibility is not None:
+        state.visibility[:, layer, :, :width, :width] = mask
+    state.layer_entries[layer] = int(chosen.ok.sum())
+    return out
+
+
+def _decode_attention(query, key, valid, scaling) -> torch.Tensor:
+    """This step's attention probabilities, summed over each KV head's query group: [N, Hkv, S]."""
+    groups = query.shape[1] // key.shape[1]
+    logits = query.float() @ key.float().repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling  # [N, H, 1, S]
+    probs = logits.masked_fill(~valid.repeat_interleave(groups, dim=1)[:, :, None], float("-inf")).softmax(dim=-1)
+    return probs.view(key.shape[0], key.shape[1], groups, -1).sum(dim=2)
+
+
+def _decode(module, query, key, value, scaling, state: RolloutState):
+    layer, column = module.layer_idx, state.cache.column
+    slots = state.cache.layers[layer]
+    valid = slots.valid()  # [N, Hkv, S]
+    out = sdpa_per_kv_head(query, key, value, valid[:, :, None, :], scaling)
+    if state.visibility is not None:
+        width = state.visibility.shape[-1]
+        seen = torch.zeros(valid.shape[:2] + (width + 1,), dtype=torch.bool, device=valid.device)
+        seen.scatter_(-1, torch.where(valid, slots.columns, width).long(), True)
+        state.visibility[:, layer, :, column] = seen[..., :width]
+    state.layer_entries[layer] = int(valid.sum())
+    policy = state.policy
+    step = column - state.prompt_width
+    if policy.decode_time:
+        received = _decode_attention(query, key, valid, scaling)
+        slots.scores = policy.decode_scores(slots.scores, received.masked_fill(~valid, 0.0), step)
+    if policy.evicts_after(step):
+        evict = policy.select_decode(slots.scores, slots.columns, state.budget, column, state.first_real)
+        evicted = slots.evict(evict)  # [N, Hkv, S] columns, FREE where nothing left
+        nowhere = state.evict_at.shape[-1] - 1
+        target = torch.where(evicted != FREE, evicted, nowhere).long()
+        state.evict_at[:, layer].scatter_(-1, target, column + 1)
+    return out
+
+
+def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of the evicting rollout; needs `rollout_state=` in the forward's keyword arguments."""
+    state = kwargs.get("rollout_state")
+    if state is None:
+        raise ValueError(f"the {ROLLOUT!r} attention needs `rollout_state=` in the forward's keyword arguments")
+    if query.shape[2] > 1:
+        out = _prefill(module, query, key, value, scaling, state)
+    else:
+        out = _decode(module, query, key, value, scaling, state)
+    if module.layer_idx == len(state.layer_entries) - 1:
+        state.entries_peak = max(state.entries_peak, sum(state.layer_entries))
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ROLLOUT, rollout_attention)
