@@ -1,0 +1,116 @@
+"""Evaluate a model on a task: batched generation (greedy or sampled, dense or evicting), scored by the
+task's own metrics (the same functions that are its reward).
+
+`evaluate` is the library half of the `eval` stage: it takes plain objects (model, tokenizer, task,
+examples, an optional eviction policy) and returns per-example rows plus a summary with each metric's
+mean and standard error, the KV-cache and process peak memory, and throughput. Prompts are sorted by
+length before batching (less left padding), and rows come back in the examples' order.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from typing import Any
+
+import torch
+
+from smd_cli.rollout import generate
+from smd_cli.tasks.base import Example, Task
+
+
+def peak_memory_bytes(device: torch.device) -> dict[str, float]:
+    """Peak accelerator memory allocated by torch (CUDA), or the process's peak resident set (CPU)."""
+    if device.type == "cuda":
+        return {"memory/peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device))}
+    return {"memory/peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
+
+
+def _progress(enabled: bool, total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    progress = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled)
+    return progress, progress.add_task("examples", total=total)
+
+
+def _decode_responses(batch, tokenizer) -> tuple[list[str], list[int], list[bool]]:
+    """Completion texts (special tokens dropped), their token counts, and whether each ended with eos."""
+    texts, lengths, finished = [], [], []
+    responses = batch.input_ids[:, batch.prompt_length :]  # [N, R]
+    for row in range(responses.shape[0]):
+        ids = responses[row][batch.response_mask[row]].tolist()
+        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
+        lengths.append(len(ids))
+        finished.append(bool(ids) and ids[-1] == tokenizer.eos_token_id)
+    return texts, lengths, finished
+
+
+def _scores(task: Task, completion: str, example: Example) -> dict[str, float]:
+    """Every metric of a paper task (`HubTask.score`), or the reward of a task that only has one."""
+    score = getattr(task, "score", None)
+    return score(completion, example) if score is not None else {"reward": task.reward(completion, example)}
+
+
+def evaluate(
+    model,
+    tokenizer,
+    task: Task,
+    examples: list[Example],
+    *,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    policy=None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Per-example rows (id, completion, reference, metrics, lengths) and the summary of the whole split."""
+    if not examples:
+        raise ValueError(f"no examples to evaluate for task {task.name}")
+    if batch_size < 1:
+        raise ValueError(f"eval.batch_size must be >= 1, got {batch_size}")
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
+    rows: list[dict[str, Any] | None] = [None] * len(examples)
+    kv_peak, kv_peak_dense, response_tokens = 0.0, 0.0, 0
+    started = time.perf_counter()
+    bar, bar_task = _progress(progress, len(examples))
+    with bar:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = generate(
+                model, [prompts[i] for i in chunk], policy=policy, max_new_tokens=max_new_tokens,
+                temperature=temperature, top_p=top_p, generator=generator,
+                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
+            )
+            kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])
+            kv_peak_dense = max(kv_peak_dense, batch.stats.get("kv/bytes_peak_dense", float("nan")))
+            texts, lengths, finished = _decode_responses(batch, tokenizer)
+            for i, text, length, done in zip(chunk, texts, lengths, finished):
+                example = examples[i]
+                rows[i] = {
+                    "id": example["id"], "completion": text, "reference": example["reference"],
+                    **_scores(task, text, example),
+                    "prompt_tokens": len(prompts[i]), "response_tokens": length, "finished": done,
+                }
+                response_tokens += length
+            bar.advance(bar_task, len(chunk))
+    seconds = time.perf_counter() - started
+    summary = task.metrics([r["completion"] for r in rows], examples)
+    summary.update({
+        "n": float(len(examples)),
+        "kv/bytes_peak": kv_peak,
+        "response_tokens_mean": response_tokens / len(examples),
+        "finished_fraction": sum(r["finished"] for r in rows) / len(examples),
+        "seconds": seconds,
+        "tokens_per_second": response_tokens / max(seconds, 1e-9),
+        **peak_memory_bytes(device),
+    })
+    if policy is None:
+        summary["kv/bytes_peak_dense"] = kv_peak_dense
+    return rows, summary

@@ -1,0 +1,216 @@
+"""Loading the paper's datasets (Hub or local files of the Hub schema) and fitting prompts to a budget.
+
+`load_split` reads a split through `datasets.load_dataset`: the Hub id by default, or local
+jsonl/json/parquet files (`data_files`) that follow the same schema, so runs and tests work offline.
+`HubTask` is the shared base of the four paper tasks: it holds the loading arguments and truncates the
+document part of a prompt (never the instruction or the question) to `max_prompt_tokens` tokens of the
+tokenizer actually used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from smd_cli.metrics import Metric
+from smd_cli.tasks.base import Example, Task, mean, stderr
+
+DataFiles = str | Path | Sequence[str | Path] | Mapping[str, Any] | None
+_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def _files_for_split(data_files: DataFiles, split: str) -> list[Path]:
+    """The local files of `split`: a mapping split -> path(s), or one path (list) used for every split."""
+    if isinstance(data_files, Mapping):
+        if split not in data_files:
+            raise KeyError(f"task.data_files has no entry for split {split!r}; it has {sorted(data_files)}")
+        data_files = data_files[split]
+    paths = [data_files] if isinstance(data_files, (str, Path)) else list(data_files)
+    if not paths:
+        raise ValueError(f"task.data_files lists no file for split {split!r}")
+    return [Path(p) for p in paths]
+
+
+def _builder(paths: list[Path]) -> str:
+    kinds = {_BUILDERS.get(p.suffix.lower()) for p in paths}
+    if None in kinds or len(kinds) != 1:
+        raise ValueError(
+            f"task.data_files must all be one of {sorted(_BUILDERS)} (got {[p.name for p in paths]})"
+        )
+    return kinds.pop()
+
+
+def load_split(
+    hub_id: str,
+    config: str | None,
+    split: str,
+    required: Sequence[str],
+    data_files: DataFiles = None,
+    limit: int | None = None,
+) -> list[Example]:
+    """Rows of one split as dicts, checked for the `required` fields and for being non-empty."""
+    import datasets
+
+    if data_files is None:
+        source = f"{hub_id}" + (f" (config {config})" if config else "") + f" split {split!r}"
+        try:
+            ds = datasets.load_dataset(hub_id, config, split=split)
+        except Exception as err:  # re-raised with the way out named
+            raise RuntimeError(
+                f"could not load {source} from the Hub ({type(err).__name__}: {err}); "
+                "give local files of the same schema with task.data_files=..."
+            ) from err
+    else:
+        paths = _files_for_split(data_files, split)
+        for p in paths:
+            if not p.is_file():
+                raise FileNotFoundError(f"task.data_files: no such file {str(p)!r} (split {split!r})")
+            if p.stat().st_size == 0:
+                raise ValueError(f"task.data_files: file {str(p)!r} is empty (split {split!r})")
+        source = f"{[str(p) for p in paths]} split {split!r}"
+        try:
+            ds = datasets.load_dataset(_builder(paths), data_files={split: [str(p) for p in paths]}, split=split)
+        except ValueError as err:  # `datasets` words an all-blank file as 'Instruction ... corresponds to no data'
+            if "corresponds to no data" in str(err):
+                raise ValueError(f"{source} is empty (no rows in the file)") from err
+            raise
+    missing = [f for f in required if f not in ds.column_names]
+    if missing:
+        raise KeyError(f"{source}: missing field(s) {missing}; the rows have {ds.column_names}")
+    if len(ds) == 0:
+        raise ValueError(f"{source} is empty")
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return ds.to_list()
+
+
+class HubTask(Task):
+    """A paper task: a Hub dataset (or local files of its schema) and a prompt with an optional document.
+
+    Subclasses set `hub_id`, `hub_config`, `splits` and `required_fields`, and implement `to_example`
+    (one raw row -> an example with `id`, `prompt`, `reference`, and `document` when the prompt embeds
+    one) and `build_prompt(example, document)`. `paper` holds the paper-scale training settings of
+    `conf/task/*.yaml` for the record; the task itself does not use them.
+    """
+
+    hub_id: str = ""
+    hub_config: str | None = None
+    splits: tuple[str, ...] = ("train", "test")
+    required_fields: tuple[str, ...] = ()
+    metric_list: tuple[Metric, ...] = ()  # reported by `metrics`; the first is the reward
+
+    def __init__(
+        self,
+        data_files: DataFiles = None,
+        max_prompt_tokens: int | None = None,
+        max_new_tokens: int = 256,
+        system_prompt: str | None = None,
+        paper: Mapping[str, Any] | None = None,
+    ):
+        super().__init__(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, system_prompt=system_prompt)
+        if max_prompt_tokens is not None and max_prompt_tokens <= 0:
+            raise ValueError(f"task.max_prompt_tokens must be a positive integer or null, got {max_prompt_tokens}")
+        self.data_files = data_files
+        self.paper = dict(paper or {})
+
+    def examples(self, split: str, limit: int | None = None) -> list[Example]:
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has splits {list(self.splits)}, not {split!r}")
+        rows = load_split(self.hub_id, self.hub_config, split, self.required_fields, self.data_files, limit)
+        return [self.to_example(row, f"{self.name}-{split}-{i}") for i, row in enumerate(rows)]
+
+    def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:
+        raise NotImplementedError
+
+    def build_prompt(self, example: Example, document: str) -> str:
+        raise NotImplementedError
+
+    def prediction(self, completion: str) -> str:
+        """The part of a completion that is scored (the whole of it unless a task says otherwise)."""
+        return completion
+
+    def reward(self, completion: str, example: Example) -> float:
+        """The task's primary metric (`metric_list[0]`) of one completion: reward = evaluation."""
+        return self.metric_list[0](self.prediction(completion), example["reference"])
+
+    def score(self, completion: str, example: Example) -> dict[str, float]:
+        """Every metric of `metric_list` for one completion."""
+        prediction = self.prediction(completion)
+        return {m.name: m(prediction, example["reference"]) for m in self.metric_list}
+
+    @property
+    def primary_metric(self) -> Metric:
+        return self.metric_list[0]
+
+    def metrics(self, completions: list[str], examples: list[Example]) -> dict[str, float]:
+        """Mean and standard error of each metric over examples; `reward` repeats the primary metric."""
+        rows = [self.score(c, e) for c, e in zip(completions, examples, strict=True)]
+        out: dict[str, float] = {}
+        for m in self.metric_list:
+            values = [row[m.name] for row in rows]
+            out[m.name], out[f"{m.name}_stderr"] = mean(values), stderr(values)
+        first = self.metric_list[0].name
+        out["reward"], out["reward_stderr"] = out[first], out[f"{first}_stderr"]
+        return out
+
+    def encode_prompt(self, example: Example, tokenizer) -> list[int]:
+        return self.fit_prompt(example, tokenizer)[1]
+
+    def fit_prompt(self, example: Example, tokenizer) -> tuple[str, list[int]]:
+        """(prompt text, token ids) within `max_prompt_tokens`, cutting the end of the document only.
+
+        The document is cut in tokens of `tokenizer`; decoding and re-encoding can shift a boundary by
+        a token, so the cut is repeated with the measured overflow until the prompt fits.
+        """
+        ids = super().encode_prompt(example, tokenizer)
+        budget = self.max_prompt_tokens
+        if budget is None or len(ids) <= budget:
+            return example["prompt"], ids
+        document = example.get("document")
+        if not document:
+            raise ValueError(
+                f"{self.name} example {example['id']}: prompt is {len(ids)} tokens > task.max_prompt_tokens="
+                f"{budget} and has no document to truncate"
+            )
+        doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
+        keep = len(doc_ids) - (len(ids) - budget)
+        while keep > 0:
+            prompt = self.build_prompt(example, tokenizer.decode(doc_ids[:keep]))
+            ids = super().encode_prompt({**example, "prompt": prompt}, tokenizer)
+            if len(ids) <= budget:
+                return prompt, ids
+            keep -= len(ids) - budget
+        empty = super().encode_prompt({**example, "prompt": self.build_prompt(example, "")}, tokenizer)
+        raise ValueError(
+            f"{self.name} example {example['id']}: the prompt without its document is {len(empty)} tokens, "
+            f"more than task.max_prompt_tokens={budget}"
+        )
+
+
+def prompt_records(task: Task, examples: list[Example], tokenizer) -> list[dict[str, Any]]:
+    """What `prepare-data` writes per example: the prompt text as the model sees it (fitted to the budget,
+    before the chat template), its token count (chat template included), whether it was cut, the reference."""
+    records = []
+    for example in examples:
+        if isinstance(task, HubTask):
+            text, ids = task.fit_prompt(example, tokenizer)
+        else:
+            text, ids = example["prompt"], task.encode_prompt(example, tokenizer)
+        records.append({"id": example["id"], "prompt": text, "prompt_tokens": len(ids),
+                        "truncated": text != example["prompt"], "reference": example["reference"]})
+    return records
+
+
+def length_stats(lengths: list[int]) -> dict[str, float]:
+    """min / mean / median / p95 / max of token counts (nearest-rank percentiles)."""
+    if not lengths:
+        raise ValueError("no lengths to summarise")
+    ordered = sorted(lengths)
+
+    def rank(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))])
+
+    return {"min": float(ordered[0]), "mean": sum(ordered) / len(ordered), "p50": rank(0.5), "p95": rank(0.95),
+            "max": float(ordered[-1])}
