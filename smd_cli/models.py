@@ -88,11 +88,20 @@ def build_tiny_model(vocab_size: int, seed: int = 0, **overrides) -> Qwen3ForCau
     return model.float()
 
 
-def load_hub_model(name_or_path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, random_init: bool):
-    """A Hub (or local) causal LM; `random_init` builds the architecture from its config only."""
+def load_hub_model(
+    name_or_path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, random_init: bool, config_overrides: dict | None = None
+):
+    """A Hub (or local) causal LM; `random_init` builds the architecture with random weights.
+
+    With `random_init` and `config_overrides` holding a full architecture (`model_type` included), nothing
+    is downloaded: the config is built from the overrides alone."""
     torch_dtype = getattr(torch, dtype)
     if random_init:
-        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+        overrides = dict(config_overrides or {})
+        if "model_type" in overrides:
+            config = AutoConfig.for_model(**overrides)
+        else:
+            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
         return AutoModelForCausalLM.from_config(
             config, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )

@@ -27,8 +27,11 @@ class Task:
     test_split: str = "test"
     higher_is_better: bool = True
 
-    def __init__(self, max_prompt_tokens: int | None = None, system_prompt: str | None = None):
+    def __init__(self, max_prompt_tokens: int | None = None, max_new_tokens: int = 256, system_prompt: str | None = None):
+        if max_new_tokens < 1:
+            raise ValueError(f"task.max_new_tokens={max_new_tokens}: must be >= 1")
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_new_tokens = max_new_tokens  # the task's response budget (sampling.max_new_tokens defaults to it)
         self.system_prompt = system_prompt
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:

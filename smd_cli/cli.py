@@ -1,0 +1,81 @@
+"""`smd STAGE [overrides]`: the only place that parses argv.
+
+Each stage is a Hydra application composed from `conf/STAGE.yaml`, so the usual syntax works:
+`key=value`, `group=option`, `+recipe=NAME`, `--cfg job`, `--help`, `-m` sweeps, `hydra.run.dir=DIR`.
+Recipes live in `recipes/` and are registered as the config group `recipe`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = ROOT / "conf"
+RECIPES_DIR = ROOT / "recipes"
+
+# verb -> (module under smd_cli.stages, primary config name, one-line help)
+STAGES = {
+    "prepare-data": ("prepare_data", "prepare_data", "materialise a task's prompts and references (jsonl) with length statistics"),
+    "rollout": ("rollout", "rollout", "sample with an evicting KV cache; record shadow masks; parity and memory report"),
+    "train": ("train", "train", "GRPO training: dense, naive_sparse, sparse_rl, tis or smd"),
+    "eval": ("evaluate", "eval", "evaluate a checkpoint or base model on a task's test split"),
+    "ablate": ("ablate", "ablate", "sweep train+eval over values, then one table and one plot"),
+}
+
+
+def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    """Put every `recipes/*.yaml` in Hydra's config group `recipe` (package `_global_`)."""
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    store = ConfigStore.instance()
+    names = []
+    for path in sorted(recipes_dir.glob("*.yaml")):
+        store.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_", provider="smd")
+        names.append(path.stem)
+    return names
+
+
+def usage() -> str:
+    lines = ["usage: smd STAGE [key=value ...] [--help] [--cfg job]", "", "stages:"]
+    lines += [f"  {verb:<13} {text}" for verb, (_, _, text) in STAGES.items()]
+    lines += ["", "Run `smd STAGE --help` for a stage's config groups and options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    console = Console(stderr=True)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return
+    verb, rest = argv[0], argv[1:]
+    if verb not in STAGES:
+        console.print(f"[red]error:[/red] unknown stage {verb!r}; choose one of {', '.join(STAGES)}")
+        raise SystemExit(2)
+    module_name, config_name, _ = STAGES[verb]
+    stage = importlib.import_module(f"smd_cli.stages.{module_name}")
+
+    import hydra
+
+    from smd_cli.stages.common import ConfigError
+
+    register_recipes()
+
+    def task(cfg) -> None:
+        try:
+            stage.run(cfg)
+        except ConfigError as err:
+            console.print(f"[red]config error:[/red] {err}")
+            raise SystemExit(2) from None
+
+    sys.argv = [f"smd {verb}", *rest]
+    hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)()
+
+
+if __name__ == "__main__":
+    main()

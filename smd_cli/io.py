@@ -1,0 +1,145 @@
+"""Run directories: provenance, metrics (jsonl + TensorBoard), atomic writes, seeding."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "rouge-score", "rich", "safetensors", "smd")
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python and torch globally (for model init) and return a generator for sampling."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def git_commit(repo: Path) -> str:
+    """The commit of the code that ran, with `+dirty` when the work tree has changes."""
+    try:
+        sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout.strip()
+        return sha + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": sys.version.split()[0], "platform": platform.platform()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    versions["cuda"] = torch.version.cuda or "none"
+    return versions
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename, so readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.item() if x.numel() == 1 else x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    rows = []
+    with path.open() as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows))
+
+
+def write_provenance(run_dir: Path, config: dict, overrides: list[str], repo: Path) -> None:
+    """The resolved config, the overrides, the git commit and package versions of a run."""
+    write_json(run_dir / "config.json", config)
+    write_json(
+        run_dir / "provenance.json",
+        {"overrides": overrides, "argv": sys.argv, "git_commit": git_commit(repo), "versions": package_versions()},
+    )
+
+
+class MetricsLog:
+    """One JSON line per step in `metrics.jsonl`, mirrored to TensorBoard (`tb/`)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True, truncate_after: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if truncate_after is not None and self.path.exists():  # resuming: drop steps past the checkpoint
+            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= truncate_after]
+            write_jsonl(self.path, kept)
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _finite_or_none(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def replace_dir_atomic(tmp: Path, final: Path) -> None:
+    """Move a fully written directory `tmp` to `final`, replacing an older one only after the move."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)

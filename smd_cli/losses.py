@@ -1,0 +1,124 @@
+"""GRPO and its corrections as small pure functions (DESIGN.md section 4).
+
+Shapes: N sequences (prompts x G), R response positions; `mask` [N, R] is 1 on real response tokens.
+Per-token terms are combined by `aggregate`, which also takes the batch-level normaliser so that
+micro-batches add up to exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
+    """GRPO advantages: reward minus its group's mean, divided by the group's std + eps (TRL `scale_rewards`).
+
+    `rewards` [N] holds N / group_size consecutive groups. `scale="none"` skips the division (Dr. GRPO).
+    The std is the unbiased one, as in TRL."""
+    grouped = rewards.view(-1, group_size)  # [N/G, G]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if scale == "group":
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale != "none":
+        raise ValueError(f"scale_rewards={scale!r}: choose 'group' or 'none'")
+    return centred.reshape(-1)  # [N]
+
+
+def clipped_surrogate(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, epsilon: float, epsilon_high: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip per token: `-min(r A, clip(r, 1 - eps, 1 + eps_high) A)` with `r = exp(logp - old_logp)`.
+
+    Returns the per-token loss [N, R] and boolean [N, R] maps of where the low/high clip was active
+    (TRL's `clip_ratio/low_mean`, `clip_ratio/high_mean`)."""
+    ratio = torch.exp(logp - old_logp)  # [N, R]
+    adv = advantages[:, None]  # [N, 1]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    stats = {"low": (ratio < 1 - epsilon) & (adv < 0), "high": (ratio > 1 + epsilon_high) & (adv > 0), "ratio": ratio.detach()}
+    return loss, stats
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) on samples of pi: `exp(q - p) - (q - p) - 1` >= 0."""
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:
+    """Reduce per-token values [N, R] to a scalar over this (micro-)batch, normalised for the full batch.
+
+    token_mean: sum over all tokens / total tokens in the batch (TRL `bnpo`, verl `token-mean`).
+    seq_mean_token_mean: each sequence's token mean, summed / total sequences (TRL `grpo`, Sparse-RL)."""
+    mask = mask.to(per_token.dtype)
+    if mode == "token_mean":
+        return (per_token * mask).sum() / max(total_tokens, 1.0)
+    if mode == "seq_mean_token_mean":
+        per_seq = (per_token * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        return per_seq.sum() / max(total_seqs, 1.0)
+    raise ValueError(f"loss_agg={mode!r}: choose 'token_mean' or 'seq_mean_token_mean'")
+
+
+def sparse_rl_weights(
+    logp_dense_old: torch.Tensor,
+    logp_sparse: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 1.5,
+    low: float = 0.5,
+    high: float = 1.5,
+    veto: float = 1e-4,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """The official Sparse-RL correction (arXiv 2601.10079, lsjia/Sparse-RL).
+
+    `rho = exp(clamp(log pi_dense_old - log pi_sparse, -20, 20))`; weights `min(rho, cap)` divided by their
+    mean over valid tokens of the batch (skipped when that mean <= 1e-8); tokens with rho outside
+    [low, high] are rejected; a sequence with any raw rho < veto is dropped whole. Rejected tokens leave
+    the loss denominator too. Returns weights [N, R], the kept-token mask [N, R] (bool) and statistics."""
+    valid = mask.bool()
+    rho = torch.exp(torch.clamp(logp_dense_old - logp_sparse, -20.0, 20.0))  # [N, R]
+    weights = torch.clamp(rho, max=cap)
+    mean_w = weights[valid].mean() if valid.any() else torch.tensor(0.0)
+    if mean_w > 1e-8:
+        weights = weights / mean_w
+    token_ok = (rho >= low) & (rho <= high)
+    seq_ok = ~((rho < veto) & valid).any(dim=1)  # [N]
+    keep = valid & token_ok & seq_ok[:, None]
+    n_valid = max(int(valid.sum()), 1)
+    stats = {
+        "is/weight_mean": float(weights[valid].mean()) if valid.any() else 0.0,
+        "is/weight_max": float(weights[valid].max()) if valid.any() else 0.0,
+        "is/rejected_token_frac": float((valid & ~keep).sum()) / n_valid,
+        "is/rejected_seq_frac": float((~seq_ok).sum()) / max(mask.shape[0], 1),
+    }
+    return weights.detach(), keep, stats
+
+
+def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (Yao et al. 2025): `min(pi_old / pi_rollout, cap)` per token."""
+    valid = mask.bool()
+    rho = torch.exp(torch.clamp(logp_old - logp_rollout, -20.0, 20.0))
+    weights = torch.clamp(rho, max=cap)
+    stats = {
+        "is/weight_mean": float(weights[valid].mean()) if valid.any() else 0.0,
+        "is/weight_max": float(weights[valid].max()) if valid.any() else 0.0,
+        "is/truncated_token_frac": float((rho[valid] > cap).float().mean()) if valid.any() else 0.0,
+    }
+    return weights.detach(), stats
+
+
+def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token KL(teacher || student) over the full vocabulary, [N, R] (the SMD distillation term).
+
+    The teacher is detached here as well, so the gradient reaches the weights only through the student
+    (the shadow branch): `sum_v p_t(v) (log p_t(v) - log p_s(v))`."""
+    scale = 1.0 if temperature == 0 else float(temperature)
+    log_t = torch.log_softmax(teacher_logits.detach().float() / scale, dim=-1)  # [N, R, V]
+    log_s = torch.log_softmax(student_logits.float() / scale, dim=-1)
+    return (log_t.exp() * (log_t - log_s)).sum(dim=-1)
+
+
+def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-token entropy of the policy [N, R] (no gradient needed: a diagnostic)."""
+    scale = 1.0 if temperature == 0 else float(temperature)
+    logp = torch.log_softmax(logits.detach().float() / scale, dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)

@@ -1,0 +1,128 @@
+"""What every stage does at its start: validate the config, open the run directory, build the objects.
+
+Stages are the only code that sees Hydra/OmegaConf; they turn the config into plain arguments here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from smd_cli import models
+from smd_cli.io import seed_everything, write_provenance
+
+ROOT = Path(__file__).resolve().parents[2]
+console = Console()
+
+
+class ConfigError(ValueError):
+    """A config value the stage cannot run with; the message names the key, the value and what is allowed."""
+
+
+def check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
+
+
+def to_dict(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+@dataclass
+class Run:
+    dir: Path
+    generator: torch.Generator
+    device: torch.device
+
+
+def start_run(cfg: DictConfig) -> Run:
+    """Seed, pick the device, and write the resolved config, overrides, git commit and versions."""
+    check(isinstance(cfg.seed, int) and cfg.seed >= 0, "seed", cfg.seed, "a non-negative integer")
+    check(cfg.device in ("auto", "cpu", "cuda"), "device", cfg.device, "auto, cpu or cuda")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is available; use device=cpu or device=auto")
+    threads = cfg.get("threads")
+    check(threads is None or (isinstance(threads, int) and threads >= 1), "threads", threads, "null (torch's default) or an integer >= 1")
+    if threads:
+        torch.set_num_threads(threads)
+    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if HydraConfig.initialized():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        overrides = list(HydraConfig.get().overrides.task)
+    else:  # called from Python (tests): cfg.run_dir must say where
+        run_dir, overrides = Path(cfg.run_dir), []
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
+    return Run(run_dir, seed_everything(cfg.seed), device)
+
+
+def build_task(cfg: DictConfig):
+    try:
+        return instantiate(cfg.task)
+    except Exception as err:  # Hydra wraps the constructor's error; surface its message
+        raise ConfigError(f"task: {_root_cause(err)}") from None
+
+
+def build_policy(cfg: DictConfig):
+    """The eviction policy of `cfg.eviction`, or None for a dense rollout."""
+    check(0.0 <= float(cfg.compression) < 1.0, "compression", cfg.compression, "a fraction in [0, 1) of prompt KV entries to evict")
+    try:
+        return instantiate(cfg.eviction)
+    except Exception as err:
+        raise ConfigError(f"eviction: {_root_cause(err)}") from None
+
+
+def _root_cause(err: BaseException) -> str:
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return str(err)
+
+
+def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):
+    """(model, tokenizer) for `cfg.model`: a Hub checkpoint, its architecture with random weights, or the
+    tiny model (warm-started on `task`, cached under `cfg.cache_dir` so it is trained once)."""
+    m = cfg.model
+    if m.name_or_path is None:
+        tokenizer = models.build_tiny_tokenizer()
+        model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, **dict(m.config or {}))
+        if m.get("warmstart") and m.warmstart.steps > 0:
+            model = _warm_started(cfg, model, tokenizer, task, progress)
+    else:
+        tokenizer = models.load_hub_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
+        model = models.load_hub_model(
+            m.name_or_path, m.dtype, m.attn_implementation, m.trust_remote_code, m.random_init, dict(m.config or {})
+        )
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+    return model.to(device).eval(), tokenizer
+
+
+def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
+    from transformers import Qwen3ForCausalLM
+
+    from smd_cli.warmstart import warm_start
+
+    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
+    path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (path / "model.safetensors").is_file():
+        console.print(f"warm start: cached at {path}")
+        return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ws = cfg.model.warmstart
+    stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, progress=progress)
+    tmp = path.with_name(path.name + ".tmp")
+    model.save_pretrained(tmp)
+    (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
+    from smd_cli.io import replace_dir_atomic
+
+    replace_dir_atomic(tmp, path)
+    console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}; cached at {path}")
+    return model

@@ -1,0 +1,115 @@
+"""`smd prepare-data`: materialise a task's prompts and references, one jsonl per split.
+
+Each row is what training and evaluation feed the model: the prompt text after fitting it to
+`task.max_prompt_tokens` (the document cut, never the question), its token count with the chat template
+and special tokens of the configured model's tokenizer, whether it was cut, the reference, and the task's
+own fields (`meta`; the document itself is left out, it is inside the prompt). Writes `{split}.jsonl` and
+`summary.json` (counts, min / mean / median / p95 / max prompt tokens, number truncated) to `out_dir`
+or the run directory. Only the tokenizer is loaded, never the model weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from smd_cli import models
+from smd_cli.io import write_json, write_jsonl
+from smd_cli.stages.common import ConfigError, build_task, check, console, start_run
+from smd_cli.tasks.loading import length_stats, prompt_records
+
+CHUNK = 256  # examples per progress-bar update
+NOT_META = ("id", "prompt", "reference", "document")
+
+
+def validate(cfg: DictConfig) -> None:
+    splits = cfg.splits
+    check(splits is None or (len(splits) >= 1 and all(isinstance(s, str) and s for s in splits)), "splits", splits,
+          "null (the task's train and test splits) or a non-empty list of split names, e.g. [train,test]")
+    check(splits is None or len(set(splits)) == len(splits), "splits", splits, "each split at most once")
+    check(cfg.limit is None or (isinstance(cfg.limit, int) and cfg.limit >= 1), "limit", cfg.limit, "null (all) or an integer >= 1")
+    check(cfg.out_dir is None or (isinstance(cfg.out_dir, str) and cfg.out_dir), "out_dir", cfg.out_dir, "null (the run directory) or a path")
+
+
+def load_tokenizer(cfg: DictConfig):
+    """The tokenizer of `cfg.model` alone: the project's own for the tiny scale, else the checkpoint's."""
+    m = cfg.model
+    source = m.tokenizer or m.name_or_path
+    if source is None:
+        return models.build_tiny_tokenizer()
+    try:
+        return models.load_hub_tokenizer(source, m.trust_remote_code)
+    except OSError as err:
+        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        raise ConfigError(f"{key}={source!r}: could not load its tokenizer ({err})") from err
+
+
+def load_examples(task, split: str, limit: int | None) -> list[dict]:
+    """The split's examples; a missing field, file or split, or an empty split, is a config error naming it."""
+    try:
+        examples = task.examples(split, limit=limit)
+    except (KeyError, ValueError, OSError, RuntimeError) as err:  # a missing file or field, an empty split, no Hub
+        raise ConfigError(f"task={task.name} split {split!r}: {err.args[0] if err.args else err}") from err
+    if not examples:
+        raise ConfigError(f"task={task.name} split {split!r} is empty (no examples)")
+    return examples
+
+
+def records_with_progress(task, examples: list[dict], tokenizer, bar: Progress, job) -> list[dict]:
+    rows = []
+    for start in range(0, len(examples), CHUNK):
+        chunk = examples[start : start + CHUNK]
+        for example, row in zip(chunk, prompt_records(task, chunk, tokenizer)):
+            meta = {k: v for k, v in example.items() if k not in NOT_META}
+            rows.append({**row, **({"meta": meta} if meta else {})})
+        bar.advance(job, len(chunk))
+    return rows
+
+
+def split_summary(rows: list[dict], path: Path) -> dict:
+    return {"n": len(rows), "truncated": sum(r["truncated"] for r in rows),
+            "prompt_tokens": length_stats([r["prompt_tokens"] for r in rows]), "file": str(path)}
+
+
+def run(cfg: DictConfig) -> dict:
+    validate(cfg)
+    run_ = start_run(cfg)
+    task = build_task(cfg)
+    tokenizer = load_tokenizer(cfg)
+    splits = list(cfg.splits) if cfg.splits is not None else list(dict.fromkeys([task.train_split, task.test_split]))
+    out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else run_.dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    examples = {split: load_examples(task, split, cfg.limit) for split in splits}  # all checked before writing
+    summary = {"task": task.name, "tokenizer": cfg.model.tokenizer or cfg.model.name_or_path or "tiny",
+               "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+               "max_prompt_tokens": getattr(task, "max_prompt_tokens", None), "splits": {}}
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
+    with Progress(*columns, console=console, disable=not cfg.progress) as bar:
+        for split, split_examples in examples.items():
+            job = bar.add_task(f"prepare {split}", total=len(split_examples))
+            rows = records_with_progress(task, split_examples, tokenizer, bar, job)
+            write_jsonl(out_dir / f"{split}.jsonl", rows)
+            summary["splits"][split] = split_summary(rows, out_dir / f"{split}.jsonl")
+    write_json(out_dir / "summary.json", summary)
+    if out_dir.resolve() != run_.dir.resolve():
+        write_json(run_.dir / "summary.json", summary)
+    print_summary(summary, out_dir)
+    return summary
+
+
+def print_summary(summary: dict, out_dir: Path) -> None:
+    budget = summary["max_prompt_tokens"]
+    table = Table(title=f"smd prepare-data: {summary['task']} -> {out_dir}")
+    cut = "truncated" + (f" (> {budget})" if budget else "")
+    for name in ("split", "examples", "min", "mean", "median", "p95", "max", cut):
+        table.add_column(name, justify="left" if name == "split" else "right")
+    for split, s in summary["splits"].items():
+        t = s["prompt_tokens"]
+        table.add_row(split, str(s["n"]), f"{t['min']:.0f}", f"{t['mean']:.1f}", f"{t['p50']:.0f}", f"{t['p95']:.0f}",
+                      f"{t['max']:.0f}", str(s["truncated"]))
+    console.print(table)
+    template = "with its chat template" if summary["chat_template"] else "no chat template"
+    console.print(f"prompt tokens: {summary['tokenizer']} tokenizer, {template}, special tokens included")

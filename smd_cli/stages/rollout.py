@@ -1,0 +1,113 @@
+"""`smd rollout`: sample with an evicting KV cache and check that the learner can replay it.
+
+Samples `num_prompts` x `num_generations` responses with the chosen eviction policy, scores them with the
+task's reward, then scores the same tokens three ways (DESIGN.md section 3): the shadow replay and the
+physical-eviction learner (both must equal the sampler's log-probs) and the dense learner (the mismatch
+that naive sparse RL trains on). Writes `rollouts.jsonl` (token ids, log-probs, rewards, text),
+`shadow_masks.safetensors` (evict_at and the batch tensors) and `summary.json`.
+"""
+
+from __future__ import annotations
+
+import torch
+from omegaconf import DictConfig
+from rich.table import Table
+from safetensors.torch import save_file
+
+from smd_cli.io import write_json, write_jsonl
+from smd_cli.physical import physical_response_logits
+from smd_cli.rollout import RolloutBatch, generate
+from smd_cli.shadow import response_logits, token_logprobs
+from smd_cli.stages.common import build_policy, build_task, check, console, load_model, start_run
+
+
+def validate(cfg: DictConfig) -> None:
+    s = cfg.sampling
+    check(isinstance(cfg.num_prompts, int) and cfg.num_prompts >= 1, "num_prompts", cfg.num_prompts, "an integer >= 1")
+    check(isinstance(cfg.num_generations, int) and cfg.num_generations >= 1, "num_generations", cfg.num_generations, "an integer >= 1")
+    check(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
+    check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
+    check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
+
+
+@torch.no_grad()
+def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool = True) -> dict[str, float]:
+    """Learner log-probs vs the sampler's, over the generated tokens: shadow, physical and dense."""
+    tokens, mask = batch.input_ids[:, batch.prompt_length:], batch.response_mask
+    args = (model, batch.input_ids, batch.attention_mask, batch.prompt_length)
+
+    def logp(logits):
+        return token_logprobs(logits, tokens, temperature)[mask]
+
+    sampler = batch.logprobs[mask]
+    dense = logp(response_logits(*args))
+    shadow = dense if batch.evict_at is None else logp(response_logits(*args, batch.evict_at))
+    report = {
+        "parity/max_abs_diff_shadow": float((shadow - sampler).abs().max()),
+        "parity/mean_abs_diff_shadow": float((shadow - sampler).abs().mean()),
+        "mismatch/dense_mean_abs_diff": float((dense - sampler).abs().mean()),
+        "mismatch/dense_max_abs_diff": float((dense - sampler).abs().max()),
+        # k3 estimator of KL(pi_sampler || pi_dense) on the sampled tokens: (r - 1) - log r, r = pi_dense / pi_sampler
+        "mismatch/dense_kl_k3": float(((dense - sampler).exp() - 1 - (dense - sampler)).mean()),
+    }
+    if physical and batch.evict_at is not None:
+        report["parity/max_abs_diff_physical"] = float((logp(physical_response_logits(*args, batch.evict_at)) - sampler).abs().max())
+    elif physical:
+        report["parity/max_abs_diff_physical"] = report["parity/max_abs_diff_shadow"]
+    return report
+
+
+def save_rollouts(run_dir, batch: RolloutBatch, examples, rewards, texts, num_generations: int) -> None:
+    rows = []
+    for i, (example, reward, text) in enumerate(zip(examples, rewards, texts)):
+        mask = batch.response_mask[i]
+        prompt = batch.input_ids[i, : batch.prompt_length][batch.attention_mask[i, : batch.prompt_length].bool()]
+        rows.append({
+            "row": i, "group": i // num_generations, "example_id": example.get("id"), "prompt_ids": prompt.tolist(),
+            "response_ids": batch.input_ids[i, batch.prompt_length:][mask].tolist(),
+            "logprobs": batch.logprobs[i][mask].tolist(), "reward": reward, "response": text,
+        })
+    write_jsonl(run_dir / "rollouts.jsonl", rows)
+    tensors = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+               "response_mask": batch.response_mask, "logprobs": batch.logprobs}
+    if batch.evict_at is not None:
+        tensors["evict_at"] = batch.evict_at  # [N, L, Hkv, T] int32, DESIGN.md section 2
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(run_dir / "shadow_masks.safetensors"),
+              metadata={"prompt_length": str(batch.prompt_length)})
+
+
+def run(cfg: DictConfig) -> dict:
+    validate(cfg)
+    run_ = start_run(cfg)
+    task = build_task(cfg)
+    policy = build_policy(cfg)
+    model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
+    G = cfg.num_generations
+    examples = [e for e in task.examples(cfg.split, limit=cfg.num_prompts) for _ in range(G)]
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    console.print(f"rollout: {len(prompts)} rows ({cfg.num_prompts} prompts x {G}), eviction={policy!r}")
+    batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,
+                     temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                     generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress)
+    responses = batch.input_ids[:, batch.prompt_length:]
+    texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, batch.response_mask)]
+    rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
+    summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical), **batch.stats}
+    summary.update({"reward/mean": sum(rewards) / len(rewards), "rollout/rows": len(prompts),
+                    "rollout/prompt_length": batch.prompt_length, "kv/bytes_ratio": batch.stats["kv/bytes_peak"] / batch.stats["kv/bytes_peak_dense"]})
+    save_rollouts(run_.dir, batch, examples, rewards, texts, G)
+    write_json(run_.dir / "summary.json", summary)
+    print_summary(summary, run_.dir)
+    return summary
+
+
+def print_summary(summary: dict, run_dir) -> None:
+    table = Table(title=f"smd rollout: {run_dir}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
+                "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "reward/mean"):
+        if key in summary:
+            table.add_row(key, f"{summary[key]:.4g}")
+    console.print(table)

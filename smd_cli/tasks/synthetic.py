@@ -1,0 +1,103 @@
+"""Synthetic long-context retrieval, generated deterministically from a seed, with a verifiable reward.
+
+A prompt is `prompt_tokens` filler words with `num_needles` marked key-value pairs hidden in it, then a
+query for one key:
+
+    f17 f3 ... NEEDLE k12 v40 v7 ... f99 NEEDLE k3 v21 v2 ... f5 QUERY k12 ANSWER   ->   v40 v7 <eos>
+
+With one needle (`NeedleRetrieval`) the model only has to find the marked pair; with several needles and
+multi-token values (`MultiNeedleRetrieval`) it must match the queried key among distractors and copy the
+value in order, so which prompt entries an eviction policy keeps (and in what order it evicts them)
+decides whether the answer is still reachable. Every word is a single token of the tiny tokenizer
+(`smd_cli.models.tiny_words`). The reward is the fraction of value tokens reproduced in place
+(1.0 = exact answer, extra words count as wrong ones), a dense signal that GRPO can climb.
+"""
+
+from __future__ import annotations
+
+import random
+
+from smd_cli.models import N_FILLER, N_KEYS, N_VALUES
+from smd_cli.tasks.base import Example, Task
+
+SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
+
+
+class MultiNeedleRetrieval(Task):
+    """Several key-value needles in filler; answer the value of the queried key."""
+
+    name = "multi_needle"
+
+    def __init__(
+        self,
+        prompt_tokens: int = 256,
+        num_needles: int = 4,
+        value_tokens: int = 2,
+        num_filler: int = N_FILLER,
+        num_keys: int = N_KEYS,
+        num_values: int = N_VALUES,
+        size: dict[str, int] | None = None,
+        seed: int = 0,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        needle_len = 2 + value_tokens
+        if not 1 <= num_needles <= num_keys:
+            raise ValueError(f"task.num_needles={num_needles}: must be in [1, num_keys={num_keys}]")
+        if value_tokens < 1:
+            raise ValueError(f"task.value_tokens={value_tokens}: must be >= 1")
+        if prompt_tokens < num_needles * needle_len + 8:
+            raise ValueError(
+                f"task.prompt_tokens={prompt_tokens}: too short for {num_needles} needles of {needle_len} tokens "
+                f"(need >= {num_needles * needle_len + 8})"
+            )
+        for key, value, limit in (("num_filler", num_filler, N_FILLER), ("num_keys", num_keys, N_KEYS), ("num_values", num_values, N_VALUES)):
+            if not 1 <= value <= limit:
+                raise ValueError(f"task.{key}={value}: must be in [1, {limit}] (the tiny tokenizer's vocabulary)")
+        self.prompt_tokens, self.num_needles, self.value_tokens = prompt_tokens, num_needles, value_tokens
+        self.num_filler, self.num_keys, self.num_values = num_filler, num_keys, num_values
+        self.size = {"train": 100_000, "validation": 256, "test": 256, **(size or {})}
+        self.seed = seed
+
+    def example(self, split: str, index: int) -> Example:
+        """The `index`-th example of `split`: a pure function of (seed, split, index)."""
+        if split not in SPLIT_SEEDS:
+            raise ValueError(f"split={split!r}: the synthetic tasks have splits {sorted(SPLIT_SEEDS)}")
+        rng = random.Random(f"{self.name}/{self.seed}/{SPLIT_SEEDS[split]}/{index}")
+        keys = rng.sample(range(self.num_keys), self.num_needles)
+        values = [[rng.randrange(self.num_values) for _ in range(self.value_tokens)] for _ in keys]
+        needles = [["NEEDLE", f"k{k}"] + [f"v{v}" for v in vs] for k, vs in zip(keys, values)]
+        query = ["QUERY", f"k{keys[0]}", "ANSWER"] if self.num_needles > 1 else ["QUERY", "ANSWER"]
+        n_filler = self.prompt_tokens - sum(map(len, needles)) - len(query)
+        words = [f"f{rng.randrange(self.num_filler)}" for _ in range(n_filler)]
+        # Needles at distinct filler boundaries, inserted back to front so earlier offsets stay valid.
+        offsets = sorted(rng.sample(range(n_filler + 1), self.num_needles), reverse=True)
+        order = rng.sample(range(self.num_needles), self.num_needles)
+        for offset, which in zip(offsets, order):
+            words[offset:offset] = needles[which]
+        answer = " ".join(f"v{v}" for v in values[0])
+        return {
+            "id": f"{self.name}-{split}-{index}",
+            "prompt": " " + " ".join(words + query),
+            "reference": " " + answer,
+            "needle_offsets": sorted(offsets),
+        }
+
+    def examples(self, split: str, limit: int | None = None, start: int = 0) -> list[Example]:
+        n = self.size.get(split, 0) if limit is None else limit
+        return [self.example(split, start + i) for i in range(n)]
+
+    def reward(self, completion: str, example: Example) -> float:
+        """Value tokens reproduced in place over max(len(answer), len(reference)): 1.0 only for the exact
+        answer, partial credit for a partly right one, and extra words cost as much as wrong ones."""
+        got, want = completion.split(), example["reference"].split()
+        return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want))
+
+
+class NeedleRetrieval(MultiNeedleRetrieval):
+    """One marked key-value pair in filler; answer its value."""
+
+    name = "needle"
+
+    def __init__(self, prompt_tokens: int = 256, value_tokens: int = 1, **kwargs):
+        super().__init__(prompt_tokens=prompt_tokens, num_needles=1, value_tokens=value_tokens, **kwargs)

@@ -1,0 +1,82 @@
+"""The train stage: one GRPO step changes the weights, config errors name the key, a short run writes
+its provenance, metrics and summary."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from smd_cli.cli import CONF_DIR, register_recipes
+from smd_cli.learner import Algorithm, learner_step
+from smd_cli.losses import group_advantages
+from smd_cli.rollout import generate
+from smd_cli.stages import train
+from smd_cli.stages.common import ConfigError
+from smd_cli.tasks.synthetic import NeedleRetrieval
+
+TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=8",
+            "task.prompt_tokens=48", "model.warmstart.steps=5", "progress=false"]
+
+
+def compose_train(tmp_path, *overrides):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, f"+run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("grpo.num_generations=1", "grpo.num_generations=1 is not allowed: an integer >= 2"),
+        ("optim.lr=-0.001", "optim.lr=-0.001 is not allowed: a learning rate > 0"),
+        ("grpo.loss_agg=sum", "grpo.loss_agg='sum' is not allowed: token_mean or seq_mean_token_mean"),
+        ("compression=1.5", "compression=1.5 is not allowed: a fraction in [0, 1)"),
+        ("sampling.temperature=0", "sampling.temperature=0 is not allowed: > 0"),
+        ("eviction=snapkv", "algo=dense samples without eviction, but eviction=SnapKV was set"),
+        ("task.prompt_tokens=4", "task: task.prompt_tokens=4: too short"),
+        ("device=cuda", "device='cuda' but no CUDA device is available"),
+    ],
+)
+def test_config_errors_name_key_value_and_range(tmp_path, override, message):
+    if override == "device=cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    cfg = compose_train(tmp_path, *TINY_RUN, override)
+    with pytest.raises(ConfigError) as err:
+        train.run(cfg)
+    assert message in str(err.value)
+
+
+def test_a_grpo_step_changes_the_parameters(tiny_model, tiny_tokenizer):
+    task = NeedleRetrieval(prompt_tokens=32)
+    prompts = [task.encode_prompt(task.example("train", i), tiny_tokenizer) for i in range(2) for _ in range(4)]
+    batch = generate(tiny_model, prompts, max_new_tokens=4, generator=torch.Generator().manual_seed(0),
+                     eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    advantages = group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0, 0.0]), 4)
+    before = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    optimizer = torch.optim.AdamW(tiny_model.parameters(), lr=1e-3)
+    metrics = learner_step(tiny_model, optimizer, batch, advantages, Algorithm("dense"))
+    changed = [n for n, p in tiny_model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before)  # every tensor moved (embeddings are tied to the head)
+    assert metrics["mismatch/max_abs_diff"] <= 1e-5  # dense sampler vs dense learner
+    assert metrics["grad_norm"] > 0 and 0 <= metrics["clip_ratio/region_mean"] <= 1
+
+
+@pytest.mark.slow
+def test_short_dense_run_writes_everything(tmp_path):
+    cfg = compose_train(tmp_path, *TINY_RUN)
+    summary = train.run(cfg)
+    run = tmp_path / "run"
+    assert {"config.json", "provenance.json", "metrics.jsonl", "summary.json"} <= {p.name for p in run.iterdir()}
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward", "reward_std", "loss", "entropy", "grad_norm", "mismatch/max_abs_diff", "time/rollout_s", "kv/bytes_peak"):
+        assert key in rows[0], key
+    saved = json.loads((run / "summary.json").read_text())
+    assert saved["eval/reward_before"] == summary["eval/reward_before"]
+    assert 0.0 <= saved["eval/reward_after"] <= 1.0
+    provenance = json.loads((run / "provenance.json").read_text())
+    assert provenance["git_commit"] and provenance["versions"]["torch"] == torch.__version__.split("+")[0] or provenance["versions"]["torch"]
+    assert json.loads((run / "config.json").read_text())["grpo"]["num_generations"] == 4
+    # the warm start is cached: a second run reuses it
+    assert any((tmp_path / "cache" / "warmstart").iterdir())
