@@ -40,6 +40,18 @@ def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
     return names
 
 
+def sweep_arguments(args: list[str]) -> list[str]:
+    """`smd ablate lambda=0.1,0.8 algo=smd` -> the swept `KEY=v1,v2` go to `ablate.sweep`, the rest stay."""
+    swept, rest = [], []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        is_sweep = sep and "," in value and not key.startswith(("hydra", "+", "~", "-", "ablate.")) and value[:1] not in "[{'\""
+        (swept if is_sweep else rest).append(arg)
+    if swept:
+        rest.append("ablate.sweep=[" + ",".join(f"'{s}'" for s in swept) + "]")
+    return rest
+
+
 def usage() -> str:
     lines = ["usage: smd STAGE [key=value ...] [--help] [--cfg job]", "", "stages:"]
     lines += [f"  {verb:<13} {text}" for verb, (_, _, text) in STAGES.items()]
@@ -73,6 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             console.print(f"[red]config error:[/red] {err}")
             raise SystemExit(2) from None
 
+    if verb == "ablate":
+        rest = sweep_arguments(rest)
     sys.argv = [f"smd {verb}", *rest]
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)()
 

@@ -55,11 +55,13 @@ def start_run(cfg: DictConfig) -> Run:
     if threads:
         torch.set_num_threads(threads)
     device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
-    if HydraConfig.initialized():
+    if cfg.get("run_dir"):  # set by tests and by `smd ablate` for each of its runs
+        run_dir, overrides = Path(cfg.run_dir), list(cfg.get("overrides") or [])
+    elif HydraConfig.initialized():
         run_dir = Path(HydraConfig.get().runtime.output_dir)
         overrides = list(HydraConfig.get().overrides.task)
-    else:  # called from Python (tests): cfg.run_dir must say where
-        run_dir, overrides = Path(cfg.run_dir), []
+    else:
+        raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
     run_dir.mkdir(parents=True, exist_ok=True)
     write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
     return Run(run_dir, seed_everything(cfg.seed), device)

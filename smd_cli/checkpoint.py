@@ -1,0 +1,200 @@
+"""Training checkpoints: written atomically, loaded safely, found again for `resume`.
+
+Layout of a run directory:
+
+    RUN/checkpoints/step_000020/model/             save_pretrained (safetensors) + the tokenizer
+    RUN/checkpoints/step_000020/trainer_state.pt   step, optimizer state, RNG states, plain extras
+    RUN/final/                                      save_pretrained of the last weights (for `smd eval`)
+
+A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N/` only when complete, so a
+run killed mid-write leaves the previous checkpoints intact and a leftover `*.tmp` folder, which every
+listing ignores and the next save (or resume) removes. Loading never unpickles code: weights go through
+safetensors (`from_pretrained(..., use_safetensors=True)`), the rest through
+`torch.load(weights_only=True)`, which is why RNG states are stored as tensors and plain types.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from smd_cli.io import replace_dir_atomic
+
+FORMAT = 1
+_STEP = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # RUN/checkpoints/step_N
+    step: int
+
+
+def checkpoints_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def is_complete(path: Path) -> bool:
+    """A finished checkpoint: trainer state and safetensors weights are both there."""
+    return (path / "trainer_state.pt").is_file() and any((path / "model").glob("*.safetensors"))
+
+
+def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
+    """Complete checkpoints of a run, oldest first; temporary and half-written folders are ignored."""
+    root = checkpoints_dir(run_dir)
+    if not root.is_dir():
+        return []
+    found = [Checkpoint(p, int(m.group(1))) for p in root.iterdir() if (m := _STEP.match(p.name)) and is_complete(p)]
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def remove_partial(run_dir: Path) -> list[Path]:
+    """Delete what an interrupted save left behind (`.step_N.tmp`, `step_N.old`); returns what was removed."""
+    root = checkpoints_dir(run_dir)
+    leftovers = [p for p in root.iterdir() if p.name.endswith((".tmp", ".old"))] if root.is_dir() else []
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+def rng_state() -> dict:
+    """Python, torch (CPU and CUDA) and numpy RNG states as tensors and plain types (weights_only-safe)."""
+    version, words, gauss = random.getstate()
+    state = {"python": {"version": version, "words": torch.tensor(words, dtype=torch.int64), "gauss": gauss},
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+    except ImportError:
+        return state
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached": float(cached)}
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what `rng_state` returned (a CUDA state only where the same number of devices is present)."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(w) for w in py["words"].tolist()), py["gauss"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        n = state["numpy"]
+        np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+
+
+def save_model(path: Path, model, tokenizer=None) -> None:
+    """`save_pretrained` (safetensors) of the model, and of the tokenizer when it has one."""
+    model.save_pretrained(path)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(path)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush every file under `root` to disk before the rename publishes it."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, extra: dict | None = None,
+                    keep_last: int | None = None) -> Path:
+    """Write `RUN/checkpoints/step_{step:06d}` atomically, then keep only the newest `keep_last` (None: all).
+
+    `extra` holds plain types only (numbers, strings, lists, dicts) so that it loads with weights_only."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    remove_partial(run_dir)
+    tmp, final = root / f".step_{step:06d}.tmp", root / f"step_{step:06d}"
+    tmp.mkdir()
+    save_model(tmp / "model", model, tokenizer)
+    state = {"format": FORMAT, "step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
+    torch.save(state, tmp / "trainer_state.pt")
+    _fsync_tree(tmp)
+    replace_dir_atomic(tmp, final)
+    if keep_last:
+        for old in list_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old.path)
+    return final
+
+
+def save_final(run_dir: Path, model, tokenizer=None) -> Path:
+    """`RUN/final`: the last weights in save_pretrained form (what `smd eval checkpoint=RUN/final` reads)."""
+    tmp, final = Path(run_dir) / ".final.tmp", Path(run_dir) / "final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(tmp, model, tokenizer)
+    _fsync_tree(tmp)
+    replace_dir_atomic(tmp, final)
+    return final
+
+
+def load_trainer_state(checkpoint: Checkpoint) -> dict:
+    """The trainer state of a checkpoint, read with `torch.load(weights_only=True)` (no code runs)."""
+    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=True)
+    if state.get("format") != FORMAT or state.get("step") != checkpoint.step:
+        raise ValueError(f"{checkpoint.path}: trainer_state.pt has format {state.get('format')} and step {state.get('step')}; "
+                         f"expected format {FORMAT} and step {checkpoint.step}")
+    return state
+
+
+@torch.no_grad()
+def load_weights(model, model_dir: Path, trust_remote_code: bool = False) -> None:
+    """Copy the safetensors weights saved in `model_dir` into `model`, exactly (same dtype, bit for bit).
+
+    Goes through `from_pretrained(use_safetensors=True)`, which handles shards, tied weights and any
+    checkpoint key conversions; the copy keeps `model`'s own parameters, so an optimizer built on them
+    stays attached."""
+    dtype = next(model.parameters()).dtype
+    loaded = type(model).from_pretrained(model_dir, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
+
+
+def restore(checkpoint: Checkpoint, model, optimizer, trust_remote_code: bool = False) -> dict:
+    """Load weights and optimizer state from `checkpoint`; returns the trainer state (RNG states are set by
+    the caller, right before the step loop, so that nothing in between draws from them)."""
+    state = load_trainer_state(checkpoint)
+    load_weights(model, checkpoint.path / "model", trust_remote_code)
+    optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def resume_target(resume: bool | str | None, current_run: Path) -> Path | None:
+    """The run directory to continue for `resume`: False/None -> None; True -> the current run directory if
+    it has a checkpoint, else the sibling run (same parent) whose newest checkpoint is newest, else None;
+    a path -> that run directory, which must hold a complete checkpoint."""
+    if resume is None or resume is False:
+        return None
+    if resume is not True:
+        path = Path(str(resume))
+        if latest_checkpoint(path) is None:
+            raise FileNotFoundError(f"{path} holds no complete checkpoint (expected {checkpoints_dir(path)}/step_NNNNNN/)")
+        return path
+    current_run = Path(current_run)
+    if latest_checkpoint(current_run) is not None:
+        return current_run
+    parent = current_run.parent
+    candidates = [(latest_checkpoint(d), d) for d in parent.iterdir() if d.is_dir() and d != current_run] if parent.is_dir() else []
+    candidates = [(c.path.stat().st_mtime, d) for c, d in candidates if c is not None]
+    return max(candidates)[1] if candidates else None
