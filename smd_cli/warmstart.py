@@ -50,10 +50,12 @@ def warm_start(model, tokenizer, task: Task, *, steps: int, batch_size: int, lr:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, steps // 10)))
     model.train()
     stats = {}
+    pool = None if hasattr(task, "example") else task.examples(task.train_split)  # generated tasks: on demand
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task("warm start", total=steps)
         for step in range(steps):
-            examples = task.examples("train", limit=batch_size, start=step * batch_size)
+            indices = range(step * batch_size, (step + 1) * batch_size)
+            examples = [task.example(task.train_split, i) if pool is None else pool[i % len(pool)] for i in indices]
             ids, mask, labels = (t.to(device) for t in supervised_batch(task, tokenizer, examples))
             loss, acc = answer_loss(model, ids, mask, labels)
             opt.zero_grad(set_to_none=True)

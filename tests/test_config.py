@@ -1,6 +1,5 @@
 """Every config and recipe composes with Hydra's compose API, and bad values fail with clear messages."""
 
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir

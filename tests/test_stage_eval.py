@@ -55,6 +55,7 @@ def sevens(tmp_path) -> Path:
         model.lm_head.weight[seven] = c
     path = tmp_path / "train_run" / "checkpoints" / "step_2" / "model"
     model.save_pretrained(path)
+    tok.save_pretrained(path)  # as `smd train` saves it
     return path.parent
 
 

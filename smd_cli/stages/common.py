@@ -89,17 +89,40 @@ def _root_cause(err: BaseException) -> str:
     return str(err)
 
 
+def load_examples(task, split: str, limit: int | None = None) -> list[dict]:
+    """The split's examples; a missing field, file or split, or an empty split, is a config error naming it."""
+    try:
+        examples = task.examples(split, limit=limit)
+    except (KeyError, ValueError, OSError, RuntimeError) as err:  # a missing file or field, an empty split, no Hub
+        raise ConfigError(f"task={task.name} split {split!r}: {err.args[0] if err.args else err}") from err
+    if not examples:
+        raise ConfigError(f"task={task.name} split {split!r} is empty (no examples)")
+    return examples
+
+
+def load_tokenizer(cfg: DictConfig):
+    """The tokenizer of `cfg.model` alone: the project's own for the tiny scale, else the checkpoint's."""
+    m = cfg.model
+    source = m.tokenizer or m.name_or_path
+    if source is None:
+        return models.build_tiny_tokenizer()
+    try:
+        return models.load_hub_tokenizer(source, m.trust_remote_code)
+    except OSError as err:
+        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
+        raise ConfigError(f"{key}={source!r}: could not load its tokenizer ({err})") from err
+
+
 def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):
     """(model, tokenizer) for `cfg.model`: a Hub checkpoint, its architecture with random weights, or the
     tiny model (warm-started on `task`, cached under `cfg.cache_dir` so it is trained once)."""
     m = cfg.model
+    tokenizer = load_tokenizer(cfg)
     if m.name_or_path is None:
-        tokenizer = models.build_tiny_tokenizer()
         model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, **dict(m.config or {}))
         if m.get("warmstart") and m.warmstart.steps > 0:
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
-        tokenizer = models.load_hub_tokenizer(m.tokenizer or m.name_or_path, m.trust_remote_code)
         model = models.load_hub_model(
             m.name_or_path, m.dtype, m.attn_implementation, m.trust_remote_code, m.random_init, dict(m.config or {})
         )

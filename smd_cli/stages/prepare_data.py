@@ -16,9 +16,8 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from smd_cli import models
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import ConfigError, build_task, check, console, start_run
+from smd_cli.stages.common import build_task, check, console, load_examples, load_tokenizer, start_run
 from smd_cli.tasks.loading import length_stats, prompt_records
 
 CHUNK = 256  # examples per progress-bar update
@@ -32,30 +31,6 @@ def validate(cfg: DictConfig) -> None:
     check(splits is None or len(set(splits)) == len(splits), "splits", splits, "each split at most once")
     check(cfg.limit is None or (isinstance(cfg.limit, int) and cfg.limit >= 1), "limit", cfg.limit, "null (all) or an integer >= 1")
     check(cfg.out_dir is None or (isinstance(cfg.out_dir, str) and cfg.out_dir), "out_dir", cfg.out_dir, "null (the run directory) or a path")
-
-
-def load_tokenizer(cfg: DictConfig):
-    """The tokenizer of `cfg.model` alone: the project's own for the tiny scale, else the checkpoint's."""
-    m = cfg.model
-    source = m.tokenizer or m.name_or_path
-    if source is None:
-        return models.build_tiny_tokenizer()
-    try:
-        return models.load_hub_tokenizer(source, m.trust_remote_code)
-    except OSError as err:
-        key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
-        raise ConfigError(f"{key}={source!r}: could not load its tokenizer ({err})") from err
-
-
-def load_examples(task, split: str, limit: int | None) -> list[dict]:
-    """The split's examples; a missing field, file or split, or an empty split, is a config error naming it."""
-    try:
-        examples = task.examples(split, limit=limit)
-    except (KeyError, ValueError, OSError, RuntimeError) as err:  # a missing file or field, an empty split, no Hub
-        raise ConfigError(f"task={task.name} split {split!r}: {err.args[0] if err.args else err}") from err
-    if not examples:
-        raise ConfigError(f"task={task.name} split {split!r} is empty (no examples)")
-    return examples
 
 
 def records_with_progress(task, examples: list[dict], tokenizer, bar: Progress, job) -> list[dict]:
