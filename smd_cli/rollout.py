@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 
 from smd_cli.cache import EvictingCache, KVMeter, kv_bytes
@@ -169,6 +170,37 @@ class _Run:
             stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.meter.entries_peak / max(real_entries, 1)})
         return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, : self.steps],
                             evict_at, stats, visibility)
+
+
+def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
+    """One batch from rollouts generated in chunks: prompts re-padded on the left to the widest P, responses
+    on the right to the longest R, and shadow masks moved to the new columns (a left shift `d` adds `d` to
+    every column and every eviction time; the never-evicted sentinel becomes the new width; padding stays 0).
+    Peak statistics take the maximum over chunks, the others the mean weighted by rows."""
+    if len(batches) == 1:
+        return batches[0]
+    if len({b.evict_at is None for b in batches}) > 1:
+        raise ValueError("cannot concatenate dense and evicting rollouts")
+    P = max(b.prompt_length for b in batches)
+    R = max(b.logprobs.shape[1] for b in batches)
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "attn", "resp", "logp", "evict")}
+    for b in batches:
+        shift, right, width = P - b.prompt_length, R - b.logprobs.shape[1], b.input_ids.shape[1]
+        parts["ids"].append(F.pad(b.input_ids, (shift, right), value=pad_token_id))
+        parts["attn"].append(F.pad(b.attention_mask, (shift, right), value=0))
+        parts["resp"].append(F.pad(b.response_mask, (0, right), value=False))
+        parts["logp"].append(F.pad(b.logprobs, (0, right), value=0.0))
+        if b.evict_at is not None:
+            moved = torch.where(b.evict_at >= width, P + R, b.evict_at + shift)
+            moved = torch.where(b.evict_at == 0, 0, moved).to(b.evict_at.dtype)  # padding keys stay hidden
+            parts["evict"].append(F.pad(moved, (shift, right), value=0))
+    rows = torch.tensor([b.input_ids.shape[0] for b in batches], dtype=torch.float64)
+    stats = {}
+    for key in batches[0].stats:
+        values = torch.tensor([b.stats.get(key, float("nan")) for b in batches], dtype=torch.float64)
+        stats[key] = float(values.max() if "peak" in key else (values * rows).sum() / rows.sum())
+    return RolloutBatch(torch.cat(parts["ids"]), torch.cat(parts["attn"]), P, torch.cat(parts["resp"]), torch.cat(parts["logp"]),
+                        torch.cat(parts["evict"]) if parts["evict"] else None, stats)
 
 
 @torch.no_grad()

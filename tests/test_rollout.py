@@ -195,3 +195,21 @@ def test_progress_bar_runs(model, prompts, capsys):
     batch = generate(model, prompts[:1], policy=KNorm(0.5, 2, 6), max_new_tokens=3, progress=True, eos_token_id=2, pad_token_id=0,
                      generator=torch.Generator().manual_seed(0))
     assert batch.logprobs.shape == (1, 3)
+
+
+@pytest.mark.parametrize("name", ["snapkv", "h2o"])
+def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, name):
+    """Chunks of different prompt widths and response lengths, re-padded: the replay still matches."""
+    from smd_cli.rollout import concat_rollouts
+
+    chunks = [
+        generate(model, part, policy=POLICIES[name](), max_new_tokens=n, temperature=1.0,
+                 generator=torch.Generator().manual_seed(3), eos_token_id=2, pad_token_id=0)
+        for part, n in ((prompts[:2], 6), (prompts[2:], R))
+    ]
+    batch = concat_rollouts(chunks, pad_token_id=0)
+    assert batch.prompt_length == max(c.prompt_length for c in chunks) and batch.logprobs.shape[1] == R
+    assert batch.input_ids.shape[0] == len(prompts) and int(batch.evict_at.max()) == batch.input_ids.shape[1]
+    replay = response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
+    assert diff(batch, replay).max() <= BOUND
+    assert batch.stats["kv/bytes_peak"] == max(c.stats["kv/bytes_peak"] for c in chunks)
