@@ -33,15 +33,6 @@ POLICIES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two OpenMP threads on a shared two-core machine wait ~16 ms per op; one thread is 100x faster here."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer):
     return build_tiny_model(len(tiny_tokenizer), seed=0).eval()

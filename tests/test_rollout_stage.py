@@ -4,7 +4,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
@@ -14,14 +13,6 @@ from smd_cli.stages.common import ConfigError
 CONF = Path(__file__).resolve().parents[1] / "conf"
 KEYS = ["parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
         "kv/bytes_peak", "kv/bytes_peak_dense", "kv/kept_fraction", "reward/mean"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def config(tmp_path, *overrides):

@@ -15,14 +15,6 @@ from smd_cli.shadow import attention_implementation, decode_visibility, response
 REFERENCE = "test_explicit_mask"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_tokenizer):
     return build_tiny_model(len(tiny_tokenizer), seed=1).eval()

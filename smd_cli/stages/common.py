@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.table import Table
 
 from smd_cli import models
 from smd_cli.io import seed_everything, write_provenance
@@ -87,6 +88,19 @@ def _root_cause(err: BaseException) -> str:
     while err.__cause__ is not None:
         err = err.__cause__
     return str(err)
+
+
+def print_metrics(title: str, summary: dict, keys, first_rows: tuple[tuple[str, str], ...] = ()) -> None:
+    """A two-column rich table: `first_rows` as given, then each of `keys` present in `summary`."""
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for row in first_rows:
+        table.add_row(*row)
+    for key in keys:
+        if isinstance(summary.get(key), (int, float)):
+            table.add_row(key, f"{summary[key]:.4g}")
+    console.print(table)
 
 
 def load_examples(task, split: str, limit: int | None = None) -> list[dict]:

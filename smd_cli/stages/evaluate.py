@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
-from rich.table import Table
 
 from smd_cli import models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, start_run
+from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
 
 
 def validate(cfg: DictConfig) -> None:
@@ -95,16 +94,11 @@ def run(cfg: DictConfig) -> dict:
 
 
 def print_summary(summary: dict, run_dir) -> None:
-    table = Table(title=f"smd eval: {summary['task']}/{summary['split']} -> {run_dir}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row(summary["metric_name"], f"{summary['metric']:.4f} ± {summary['metric_stderr']:.4f}")
-    for key, value in summary.items():  # the task's other metrics (e.g. em, rougeLsum)
-        if f"{key}_stderr" in summary and key not in (summary["metric_name"], "metric", "reward"):
-            table.add_row(key, f"{value:.4f} ± {summary[f'{key}_stderr']:.4f}")
-    for key in ("n", "response_tokens_mean", "finished_fraction", "kv/bytes_peak", "kv/bytes_peak_dense",
-                "memory/peak_allocated_bytes", "memory/peak_rss_bytes", "tokens_per_second", "seconds"):
-        if key in summary:
-            table.add_row(key, f"{summary[key]:.4g}")
-    console.print(table)
+    name = summary["metric_name"]
+    rows = [(name, f"{summary['metric']:.4f} ± {summary['metric_stderr']:.4f}")]
+    rows += [(k, f"{v:.4f} ± {summary[f'{k}_stderr']:.4f}") for k, v in summary.items()  # the task's other metrics
+             if f"{k}_stderr" in summary and k not in (name, "metric", "reward")]
+    print_metrics(f"smd eval: {summary['task']}/{summary['split']} -> {run_dir}", summary,
+                  ("n", "response_tokens_mean", "finished_fraction", "kv/bytes_peak", "kv/bytes_peak_dense",
+                   "memory/peak_allocated_bytes", "memory/peak_rss_bytes", "tokens_per_second", "seconds"), tuple(rows))
     console.print(f"eviction={summary['eviction']} compression={summary['compression']} temperature={summary['temperature']}")

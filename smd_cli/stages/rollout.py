@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import torch
 from omegaconf import DictConfig
-from rich.table import Table
 from safetensors.torch import save_file
 
 from smd_cli.io import write_json, write_jsonl
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate
 from smd_cli.shadow import response_logits, token_logprobs
-from smd_cli.stages.common import build_policy, build_task, check, console, load_model, start_run
+from smd_cli.stages.common import build_policy, build_task, check, console, load_model, print_metrics, start_run
 
 
 def validate(cfg: DictConfig) -> None:
@@ -103,11 +102,6 @@ def run(cfg: DictConfig) -> dict:
 
 
 def print_summary(summary: dict, run_dir) -> None:
-    table = Table(title=f"smd rollout: {run_dir}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
-                "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "reward/mean"):
-        if key in summary:
-            table.add_row(key, f"{summary[key]:.4g}")
-    console.print(table)
+    print_metrics(f"smd rollout: {run_dir}", summary, (
+        "parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
+        "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "reward/mean"))
