@@ -15,6 +15,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
@@ -153,15 +154,17 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file():
-        console.print(f"warm start: cached at {path}")
+        console.print(f"warm start: reusing {path}", soft_wrap=True)
         return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
     ws = cfg.model.warmstart
     stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, progress=progress)
     tmp = path.with_name(path.name + ".tmp")
+    hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)
     (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
     from smd_cli.io import replace_dir_atomic
 
     replace_dir_atomic(tmp, path)
-    console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}; cached at {path}")
+    console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}", soft_wrap=True)
+    console.print(f"warm start cached at {path}", soft_wrap=True)
     return model
