@@ -15,10 +15,13 @@ safetensors (`from_pretrained(..., use_safetensors=True)`), the rest through
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,11 +102,26 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((n["kind"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
 
 
+@contextmanager
+def _no_hf_progress_bars():
+    """Silence transformers' per-shard progress bars, which would interleave with the training bar."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def save_model(path: Path, model, tokenizer=None) -> None:
     """`save_pretrained` (safetensors) of the model, and of the tokenizer when it has one."""
-    model.save_pretrained(path)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(path)
+    with _no_hf_progress_bars():
+        model.save_pretrained(path)
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(path)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -165,19 +183,50 @@ def load_weights(model, model_dir: Path, trust_remote_code: bool = False) -> Non
     checkpoint key conversions; the copy keeps `model`'s own parameters, so an optimizer built on them
     stays attached."""
     dtype = next(model.parameters()).dtype
-    loaded = type(model).from_pretrained(model_dir, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
+    with _no_hf_progress_bars():
+        loaded = type(model).from_pretrained(model_dir, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
 
 
-def restore(checkpoint: Checkpoint, model, optimizer, trust_remote_code: bool = False) -> dict:
-    """Load weights and optimizer state from `checkpoint`; returns the trainer state (RNG states are set by
-    the caller, right before the step loop, so that nothing in between draws from them)."""
-    state = load_trainer_state(checkpoint)
-    load_weights(model, checkpoint.path / "model", trust_remote_code)
+def config_differences(saved: dict, current: dict, ignore: tuple[str, ...] = (), prefix: str = "") -> list[str]:
+    """`key: saved -> current` for every nested setting that differs, skipping top-level keys in `ignore`."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        if not prefix and key in ignore:
+            continue
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_differences(a, b, (), f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def resume_run(run_dir: Path, model, optimizer, config: dict, ignore: tuple[str, ...] = (), trust_remote_code: bool = False,
+               launched_in: Path | None = None) -> tuple[Checkpoint, dict, dict, list[Path]]:
+    """Restore the newest complete checkpoint of `run_dir` into `model` and `optimizer`.
+
+    The checkpoint's saved `extra["config"]` must equal `config` (but for `ignore`d keys): a run resumed
+    with other settings would not continue the same trajectory, so that raises ValueError. Returns the
+    checkpoint, the rest of its `extra`, its RNG states (set them right before the step loop, so that
+    nothing in between draws from them) and the leftovers of an interrupted write that were removed.
+    The resumption is appended to `RUN/resumes.jsonl`."""
+    removed = remove_partial(run_dir)
+    latest = latest_checkpoint(run_dir)
+    if latest is None:
+        raise FileNotFoundError(f"{run_dir} holds no complete checkpoint")
+    state = load_trainer_state(latest)
+    extra = dict(state["extra"])
+    differences = config_differences(extra.pop("config", {}), config, ignore)
+    if differences:
+        raise ValueError(f"{run_dir} was trained with other settings ({'; '.join(differences[:5])})")
+    load_weights(model, latest.path / "model", trust_remote_code)
     optimizer.load_state_dict(state["optimizer"])
-    return state
+    with (Path(run_dir) / "resumes.jsonl").open("a") as f:
+        f.write(json.dumps({"from_step": latest.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+    return latest, extra, state["rng"], removed
 
 
 def resume_target(resume: bool | str | None, current_run: Path) -> Path | None:

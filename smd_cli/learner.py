@@ -115,9 +115,12 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             ref_logp = torch.cat([token_logprobs(_dense_logits(ref_model, batch, s), tokens[s], algo.temperature) for s in parts])
 
     total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
-    if total_tokens == 0:
+    if total_tokens == 0:  # every token rejected (Sparse-RL): nothing to learn from; the caller counts the skip
+        if dense_logp is not None:
+            metrics.update(_mismatch("mismatch/dense_", dense_logp, sampler, mask))
         return {**metrics, "learner/skipped_empty_batch": 1.0}
 
+    optimizer.zero_grad(set_to_none=True)  # gradients left by earlier code (e.g. the warm start) must not leak in
     model.train()
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0

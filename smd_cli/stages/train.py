@@ -5,26 +5,39 @@ Each step samples `grpo.prompts_per_step` prompts x G generations with the rollo
 and takes one `learner_step`. Held-out reward is measured before and after training on the task's test split
 (sampled at the eval temperature, seeded, and greedy). Sampling at step s uses a generator seeded from (seed, s), so a resumed run
 draws exactly what an uninterrupted one would.
+
+Checkpoints (`smd_cli.checkpoint`) are written every `checkpoint.every` steps and at the end, plus `final/`.
+`resume=true` (or `resume=RUN_DIR`) restores weights, optimizer and RNG states from the run's newest
+complete checkpoint and continues in that run directory; `metrics.jsonl` is cut back to that step, so the
+remaining rows equal an uninterrupted run's. A non-finite loss or gradient stops the run (summary status
+"diverged", the last good checkpoint kept); a batch left empty by Sparse-RL's rejection is skipped and counted.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
+from smd_cli import checkpoint as ckpt
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import MetricsLog, write_json
-from smd_cli.learner import ALGORITHMS, Algorithm, learner_step
+from smd_cli.io import MetricsLog, read_jsonl, write_json
+from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
+from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import generate
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, start_run
+from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, print_metrics, start_run, to_dict
+
+# Config keys that may differ between a run and its resumption: they change neither the updates nor the metrics.
+RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "run_dir", "overrides", "cache_dir",
+                    "device", "threads", "log_every", "stage_help")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -48,6 +61,28 @@ def validate(cfg: DictConfig) -> None:
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
     check(cfg["lambda"] >= 0, "lambda", cfg["lambda"], ">= 0 (the SMD distillation weight)")
     check(cfg.eval.num_prompts >= 0, "eval.num_prompts", cfg.eval.num_prompts, ">= 0")
+    c = cfg.checkpoint
+    check(isinstance(c.every, int) and c.every >= 0, "checkpoint.every", c.every, "an integer >= 0 (0: only at the end)")
+    check(c.keep_last is None or (isinstance(c.keep_last, int) and c.keep_last >= 1), "checkpoint.keep_last", c.keep_last,
+          "null (keep all) or an integer >= 1")
+    check(isinstance(cfg.resume, (bool, str)), "resume", cfg.resume, "true, false, or a run directory")
+    check_optimizer(cfg)
+
+
+def check_optimizer(cfg: DictConfig) -> None:
+    """optim=adamw8bit needs a CUDA device and an importable bitsandbytes; say so before any work is done."""
+    target = str(cfg.optim.get("_target_", ""))
+    if not target.startswith("bitsandbytes."):
+        return
+    name = f"optim=adamw8bit (_target_ {target})"
+    if cfg.device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError(f"{name} keeps 8-bit optimizer states on a CUDA device, but device={cfg.device!r} and "
+                          f"CUDA available={torch.cuda.is_available()}; use optim=adamw on CPU")
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception as err:  # ImportError, or bitsandbytes' own error when its CUDA library does not load
+        raise ConfigError(f"{name} cannot import bitsandbytes ({type(err).__name__}: {err}); install it with "
+                          "`pip install -e '.[gpu]'` (bitsandbytes>=0.45), or use optim=adamw") from None
 
 
 def rollout_policy(cfg: DictConfig):
@@ -105,62 +140,161 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
 
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
+    resume_dir = find_resume(cfg)
     run_ = start_run(cfg)
+    run_dir = resume_dir or run_.dir
     task = build_task(cfg)
     policy = rollout_policy(cfg)
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     algo = algorithm(cfg)
     optimizer = instantiate(cfg.optim, params=model.parameters())
-    ref_model = copy.deepcopy(model).eval() if algo.beta > 0 else None
+    ref_model = copy.deepcopy(model).eval() if algo.beta > 0 else None  # the initial policy, also on resume
     pool = None if hasattr(task, "example") else task.examples(task.train_split)
     eval_examples = task.examples(task.test_split, limit=cfg.eval.num_prompts)
-    G, per_step = cfg.grpo.num_generations, cfg.grpo.prompts_per_step
+    G = cfg.grpo.num_generations
 
-    summary = held_out(model, tokenizer, task, eval_examples, cfg, "before")
-    console.print(f"held-out reward before GRPO: {summary.get('eval/reward_before', float('nan')):.4f} "
-                  f"({len(eval_examples)} prompts, temperature {cfg.eval.temperature})")
-    log = MetricsLog(run_.dir)
+    if resume_dir is None:
+        start, rng = 0, None
+        state = {"summary": held_out(model, tokenizer, task, eval_examples, cfg, "before"), "skipped_steps": 0, "seconds": 0.0}
+        console.print(f"held-out reward before GRPO: {state['summary'].get('eval/reward_before', float('nan')):.4f} "
+                      f"({len(eval_examples)} prompts, temperature {cfg.eval.temperature})")
+    else:  # the held-out reward before, the skip count and the seconds so far come back with the checkpoint
+        start, state, rng = resume(cfg, run_dir, run_.dir, model, optimizer)
+    summary = dict(state["summary"])
+    log = MetricsLog(run_dir, truncate_after=start)
+    last = last_logged(log.path)
+    mem = PhaseMemory(run_.device)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
-    last: dict[str, float] = {}
-    started = time.perf_counter()
+    if rng is not None:
+        ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
     with Progress(*columns, console=console, disable=not cfg.progress) as bar:
-        job = bar.add_task(f"{algo.name}: rollout", total=cfg.steps)
-        for step in range(cfg.steps):
+        job = bar.add_task(f"{algo.name}: rollout", total=cfg.steps, completed=start)
+        for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: rollout")
-            examples = prompts_at(task, step, per_step, cfg.seed, pool)
-            prompts = [task.encode_prompt(e, tokenizer) for e in examples for _ in range(G)]
-            batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,
-                             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-                             generator=torch.Generator(device=run_.device).manual_seed(cfg.seed * 1_000_003 + step),
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
-            rewards = torch.tensor(rollout_rewards(batch, tokenizer, task, [e for e in examples for _ in range(G)]))
+            with mem.phase("rollout"):
+                batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
-            metrics = learner_step(model, optimizer, batch, advantages, algo, ref_model)
+            try:
+                with mem.phase("learner"):
+                    metrics = learner_step(model, optimizer, batch, advantages, algo, ref_model)
+            except TrainingDiverged as err:
+                log.close()
+                stop_diverged(run_dir, step + 1, err, summary)
             t2 = time.perf_counter()
-            grouped = rewards.view(-1, G)
-            lengths = batch.response_mask.sum(1).float()
-            metrics.update({
-                "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
-                "frac_reward_zero_std": float((grouped.std(1) == 0).float().mean()),
-                "completions/mean_length": float(lengths.mean()),
-                "completions/clipped_ratio": float((~ended_with_eos(batch, tokenizer.eos_token_id)).float().mean()),
-                "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0,
-                **{k: v for k, v in batch.stats.items() if k.startswith("kv/")},
-            })
+            metrics.update({**rollout_metrics(batch, rewards, G, tokenizer.eos_token_id), **mem.take(),
+                            "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0})
+            state["skipped_steps"] += int(metrics["learner/skipped_empty_batch"])
             log.log(step + 1, metrics)
             last = metrics
-            bar.update(job, advance=1, description=f"{algo.name}: reward {metrics['reward']:.3f}")
+            state["seconds"] += time.perf_counter() - t0
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.steps:
+                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state)
+            bar.update(job, advance=1, description=progress_text(algo.name, metrics))
     log.close()
-    summary["train/seconds"] = time.perf_counter() - started
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is None or latest.step != cfg.steps:
+        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state)
+    ckpt.save_final(run_dir, model, tokenizer)
+    summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps, "status": "completed"})
     summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})
-    summary["steps"] = cfg.steps
-    write_json(run_.dir / "summary.json", summary)
-    print_summary(summary, run_.dir)
+    write_json(run_dir / "summary.json", summary)
+    print_summary(summary, run_dir)
     return summary
+
+
+def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool, device) -> tuple:
+    """Step `step`'s rollout, (batch, rewards [N]): its prompts x G samples, from a generator seeded by
+    (seed, step) so that a resumed run draws exactly what an uninterrupted one does."""
+    G, s = cfg.grpo.num_generations, cfg.sampling
+    examples = [e for e in prompts_at(task, step, cfg.grpo.prompts_per_step, cfg.seed, pool) for _ in range(G)]
+    batch = generate(model, [task.encode_prompt(e, tokenizer) for e in examples], policy=policy, max_new_tokens=s.max_new_tokens,
+                     temperature=s.temperature, top_p=s.top_p, generator=torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step),
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+    return batch, torch.tensor(rollout_rewards(batch, tokenizer, task, examples))
+
+
+def rollout_metrics(batch, rewards: torch.Tensor, G: int, eos_token_id: int) -> dict[str, float]:
+    """Reward and completion statistics of one step's rollout (TRL names), and its `kv/*` numbers."""
+    grouped = rewards.view(-1, G)
+    return {
+        "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "frac_reward_zero_std": float((grouped.std(1) == 0).float().mean()),
+        "completions/mean_length": float(batch.response_mask.sum(1).float().mean()),
+        "completions/clipped_ratio": float((~ended_with_eos(batch, eos_token_id)).float().mean()),
+        **{k: v for k, v in batch.stats.items() if k.startswith("kv/")},
+    }
+
+
+def progress_text(name: str, metrics: dict) -> str:
+    text = f"{name}: reward {metrics['reward']:.3f}"
+    if "mismatch/max_abs_diff" in metrics:
+        text += f" mismatch {metrics['mismatch/max_abs_diff']:.1e}"
+    return text + (" (skipped: empty batch)" if metrics.get("learner/skipped_empty_batch") else "")
+
+
+def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict) -> None:
+    """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/RNG, all plain types."""
+    extra = {"config": to_dict(cfg), **state}
+    ckpt.save_checkpoint(run_dir, step, model, optimizer, tokenizer, extra=extra, keep_last=cfg.checkpoint.keep_last)
+
+
+def planned_run_dir(cfg: DictConfig) -> Path | None:
+    """The directory `start_run` will use (None where it will refuse to start)."""
+    if cfg.get("run_dir"):
+        return Path(cfg.run_dir)
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def find_resume(cfg: DictConfig) -> Path | None:
+    """The run directory to continue (see `checkpoint.resume_target`), or None to start at step 0."""
+    current = planned_run_dir(cfg)
+    if current is None:
+        return None
+    try:
+        target = ckpt.resume_target(cfg.resume, current)
+    except FileNotFoundError as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
+    if target is None and ckpt.latest_checkpoint(current) is not None:
+        raise ConfigError(f"resume={cfg.resume!r} but {current} already holds checkpoints of an earlier run; "
+                          "pass resume=true to continue it, or choose another hydra.run.dir")
+    if target is None and cfg.resume is True:
+        console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current} or beside it; starting at step 0")
+    if target is not None and ckpt.latest_checkpoint(target).step > cfg.steps:
+        raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {ckpt.latest_checkpoint(target).step}")
+    return target
+
+
+def resume(cfg: DictConfig, run_dir: Path, launched_in: Path, model, optimizer) -> tuple[int, dict, dict]:
+    """Restore the newest complete checkpoint of `run_dir`: (its step, the trainer's extra state, RNG states)."""
+    try:
+        latest, extra, rng, removed = ckpt.resume_run(run_dir, model, optimizer, to_dict(cfg), RESUME_FREE_KEYS,
+                                                      bool(cfg.model.trust_remote_code), launched_in)
+    except ValueError as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}; resume with the run's own values (its config.json) or start a new run") from None
+    note = f" (removed an interrupted write: {', '.join(p.name for p in removed)})" if removed else ""
+    console.print(f"resuming {run_dir} from {latest.path.name}{note}")
+    return latest.step, extra, rng
+
+
+def last_logged(path: Path) -> dict:
+    """The newest row of `metrics.jsonl` without its step (the summary's `last/*` when no step is left to run)."""
+    rows = read_jsonl(path) if path.is_file() else []
+    return {k: v for k, v in rows[-1].items() if k != "step"} if rows else {}
+
+
+def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict):
+    """Record the divergence in summary.json and stop, naming the step and the last good checkpoint."""
+    latest = ckpt.latest_checkpoint(run_dir)
+    kept = str(latest.path) if latest else "none (no checkpoint had been written yet)"
+    message = f"training diverged at step {step}: {err}; stopped without applying it. Last good checkpoint: {kept}"
+    summary.update({"status": "diverged", "diverged_at_step": step, "error": str(err), "last_checkpoint": latest and str(latest.path)})
+    write_json(run_dir / "summary.json", summary)
+    console.print(f"[red]{message}[/red]")
+    raise TrainingDiverged(message) from err
 
 
 def rollout_rewards(batch, tokenizer, task, examples) -> list[float]:
@@ -177,11 +311,7 @@ def ended_with_eos(batch, eos_token_id: int) -> torch.Tensor:
 
 
 def print_summary(summary: dict, run_dir) -> None:
-    table = Table(title=f"smd train: {run_dir}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("eval/reward_before", "eval/reward_after", "eval/greedy_reward_before", "eval/greedy_reward_after", "last/reward", "last/mismatch/max_abs_diff",
-                "last/mismatch/dense_max_abs_diff", "last/kv/kept_fraction", "train/seconds"):
-        if key in summary:
-            table.add_row(key, f"{summary[key]:.4g}")
-    console.print(table)
+    print_metrics(f"smd train: {run_dir}", summary,
+                  ("eval/reward_before", "eval/reward_after", "eval/greedy_reward_before", "eval/greedy_reward_after", "last/reward",
+                   "last/mismatch/max_abs_diff", "last/mismatch/dense_max_abs_diff", "last/kv/kept_fraction",
+                   "last/memory/rollout_peak_bytes", "last/memory/learner_peak_bytes", "train/skipped_steps", "train/seconds"))
