@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
+    from smd_cli.learner import TrainingDiverged
     from smd_cli.stages.common import ConfigError
 
     register_recipes()
@@ -84,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as err:
             console.print(f"[red]config error:[/red] {err}")
             raise SystemExit(2) from None
+        except TrainingDiverged as err:
+            console.print(f"[red]training diverged:[/red] {err}")
+            raise SystemExit(1) from None
 
     if verb == "ablate":
         rest = sweep_arguments(rest)

@@ -106,7 +106,7 @@ def load_hub_model(
             config, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
         )
     return AutoModelForCausalLM.from_pretrained(
-        name_or_path, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
+        name_or_path, use_safetensors=True, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
     )
 
 

@@ -65,5 +65,6 @@ def warm_start(model, tokenizer, task: Task, *, steps: int, batch_size: int, lr:
             sched.step()
             stats = {"warmstart/loss": loss.item(), "warmstart/token_accuracy": acc.item()}
             bar.update(job, advance=1, description=f"warm start loss {stats['warmstart/loss']:.3f}")
+    opt.zero_grad(set_to_none=True)  # no stale gradients reach the first GRPO step
     model.eval()
     return stats

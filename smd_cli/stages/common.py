@@ -155,7 +155,7 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file():
         console.print(f"warm start: reusing {path}", soft_wrap=True)
-        return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     ws = cfg.model.warmstart
     stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, progress=progress)
     tmp = path.with_name(path.name + ".tmp")

@@ -56,7 +56,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
     own = path if (path / "tokenizer_config.json").is_file() else None
     source = m.tokenizer or (None if m.name_or_path is None else own or m.name_or_path)
     tokenizer = models.build_tiny_tokenizer() if source is None else models.load_hub_tokenizer(str(source), m.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, m.dtype), attn_implementation=m.attn_implementation,
+    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=getattr(torch, m.dtype), attn_implementation=m.attn_implementation,
                                                  trust_remote_code=m.trust_remote_code)
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "

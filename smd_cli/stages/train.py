@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import copy
 import time
-from pathlib import Path
 
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -28,17 +26,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from smd_cli import checkpoint as ckpt
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import MetricsLog, read_jsonl, write_json
+from smd_cli.io import MetricsLog, write_json
 from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.profiler import PhaseMemory
-from smd_cli.rollout import generate
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, print_metrics, start_run, to_dict
-
-# Config keys that may differ between a run and its resumption: they change neither the updates nor the metrics.
-RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "run_dir", "overrides", "cache_dir",
-                    "device", "threads", "log_every", "stage_help")
-
+from smd_cli.rollout import concat_rollouts, generate
+from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, print_metrics, start_run
+from smd_cli.stages.train_state import find_resume, last_logged, resume, save, stop_diverged
 
 def validate(cfg: DictConfig) -> None:
     g, s = cfg.grpo, cfg.sampling
@@ -59,6 +53,7 @@ def validate(cfg: DictConfig) -> None:
     check(s.temperature > 0, "sampling.temperature", s.temperature, "> 0 for GRPO sampling (0 is greedy: no exploration)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
+    check(s.get("batch_size") is None or s.batch_size >= 1, "sampling.batch_size", s.get("batch_size"), "null (all at once) or >= 1")
     check(cfg["lambda"] >= 0, "lambda", cfg["lambda"], ">= 0 (the SMD distillation weight)")
     check(cfg.eval.num_prompts >= 0, "eval.num_prompts", cfg.eval.num_prompts, ">= 0")
     c = cfg.checkpoint
@@ -211,9 +206,15 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
     (seed, step) so that a resumed run draws exactly what an uninterrupted one does."""
     G, s = cfg.grpo.num_generations, cfg.sampling
     examples = [e for e in prompts_at(task, step, cfg.grpo.prompts_per_step, cfg.seed, pool) for _ in range(G)]
-    batch = generate(model, [task.encode_prompt(e, tokenizer) for e in examples], policy=policy, max_new_tokens=s.max_new_tokens,
-                     temperature=s.temperature, top_p=s.top_p, generator=torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step),
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    chunk = s.batch_size or len(prompts)  # sequences decoded at once: bounds the rollout's KV memory
+    batch = concat_rollouts([
+        generate(model, prompts[i : i + chunk], policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                 top_p=s.top_p, generator=generator, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                 measure_dense_kv=False)
+        for i in range(0, len(prompts), chunk)
+    ], tokenizer.pad_token_id)
     return batch, torch.tensor(rollout_rewards(batch, tokenizer, task, examples))
 
 
@@ -234,67 +235,6 @@ def progress_text(name: str, metrics: dict) -> str:
     if "mismatch/max_abs_diff" in metrics:
         text += f" mismatch {metrics['mismatch/max_abs_diff']:.1e}"
     return text + (" (skipped: empty batch)" if metrics.get("learner/skipped_empty_batch") else "")
-
-
-def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict) -> None:
-    """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/RNG, all plain types."""
-    extra = {"config": to_dict(cfg), **state}
-    ckpt.save_checkpoint(run_dir, step, model, optimizer, tokenizer, extra=extra, keep_last=cfg.checkpoint.keep_last)
-
-
-def planned_run_dir(cfg: DictConfig) -> Path | None:
-    """The directory `start_run` will use (None where it will refuse to start)."""
-    if cfg.get("run_dir"):
-        return Path(cfg.run_dir)
-    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
-
-
-def find_resume(cfg: DictConfig) -> Path | None:
-    """The run directory to continue (see `checkpoint.resume_target`), or None to start at step 0."""
-    current = planned_run_dir(cfg)
-    if current is None:
-        return None
-    try:
-        target = ckpt.resume_target(cfg.resume, current)
-    except FileNotFoundError as err:
-        raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
-    if target is None and ckpt.latest_checkpoint(current) is not None:
-        raise ConfigError(f"resume={cfg.resume!r} but {current} already holds checkpoints of an earlier run; "
-                          "pass resume=true to continue it, or choose another hydra.run.dir")
-    if target is None and cfg.resume is True:
-        console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current} or beside it; starting at step 0")
-    if target is not None and ckpt.latest_checkpoint(target).step > cfg.steps:
-        raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {ckpt.latest_checkpoint(target).step}")
-    return target
-
-
-def resume(cfg: DictConfig, run_dir: Path, launched_in: Path, model, optimizer) -> tuple[int, dict, dict]:
-    """Restore the newest complete checkpoint of `run_dir`: (its step, the trainer's extra state, RNG states)."""
-    try:
-        latest, extra, rng, removed = ckpt.resume_run(run_dir, model, optimizer, to_dict(cfg), RESUME_FREE_KEYS,
-                                                      bool(cfg.model.trust_remote_code), launched_in)
-    except ValueError as err:
-        raise ConfigError(f"resume={cfg.resume!r}: {err}; resume with the run's own values (its config.json) or start a new run") from None
-    note = f" (removed an interrupted write: {', '.join(p.name for p in removed)})" if removed else ""
-    console.print(f"resuming {run_dir} from {latest.path.name}{note}")
-    return latest.step, extra, rng
-
-
-def last_logged(path: Path) -> dict:
-    """The newest row of `metrics.jsonl` without its step (the summary's `last/*` when no step is left to run)."""
-    rows = read_jsonl(path) if path.is_file() else []
-    return {k: v for k, v in rows[-1].items() if k != "step"} if rows else {}
-
-
-def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict):
-    """Record the divergence in summary.json and stop, naming the step and the last good checkpoint."""
-    latest = ckpt.latest_checkpoint(run_dir)
-    kept = str(latest.path) if latest else "none (no checkpoint had been written yet)"
-    message = f"training diverged at step {step}: {err}; stopped without applying it. Last good checkpoint: {kept}"
-    summary.update({"status": "diverged", "diverged_at_step": step, "error": str(err), "last_checkpoint": latest and str(latest.path)})
-    write_json(run_dir / "summary.json", summary)
-    console.print(f"[red]{message}[/red]")
-    raise TrainingDiverged(message) from err
 
 
 def rollout_rewards(batch, tokenizer, task, examples) -> list[float]:

@@ -1,11 +1,15 @@
 """Synthetic long-context retrieval, generated deterministically from a seed, with a verifiable reward.
 
 A prompt is `prompt_tokens` filler words with `num_needles` marked key-value pairs hidden in it, then a
-query for one key:
+query for one key; the answer is the marker ANSWER followed by the value:
 
-    f17 f3 ... NEEDLE k12 v40 v7 ... f99 NEEDLE k3 v21 v2 ... f5 QUERY k12 ANSWER   ->   v40 v7 <eos>
+    f17 f3 ... NEEDLE k12 v40 v7 ... f99 NEEDLE k3 v21 v2 ... f5 QUERY k12   ->   ANSWER v40 v7 <eos>
 
-With one needle (`NeedleRetrieval`) the model only has to find the marked pair; with several needles and
+The marker matters: the first response token is predicted from the last prompt position, computed by the
+dense prefill before any eviction (DESIGN.md section 2), so a value given first would always see the whole
+prompt. After ANSWER, every value token is predicted from the evicted cache.
+
+With one needle (`NeedleRetrieval`: `NEEDLE v40`, no key) the model only has to find the marker; with several needles and
 multi-token values (`MultiNeedleRetrieval`) it must match the queried key among distractors and copy the
 value in order, so which prompt entries an eviction policy keeps (and in what order it evicts them)
 decides whether the answer is still reachable. Every word is a single token of the tiny tokenizer
@@ -41,7 +45,7 @@ class MultiNeedleRetrieval(Task):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        needle_len = 2 + value_tokens
+        needle_len = (2 if num_needles > 1 else 1) + value_tokens
         if not 1 <= num_needles <= num_keys:
             raise ValueError(f"task.num_needles={num_needles}: must be in [1, num_keys={num_keys}]")
         if value_tokens < 1:
@@ -66,8 +70,9 @@ class MultiNeedleRetrieval(Task):
         rng = random.Random(f"{self.name}/{self.seed}/{SPLIT_SEEDS[split]}/{index}")
         keys = rng.sample(range(self.num_keys), self.num_needles)
         values = [[rng.randrange(self.num_values) for _ in range(self.value_tokens)] for _ in keys]
-        needles = [["NEEDLE", f"k{k}"] + [f"v{v}" for v in vs] for k, vs in zip(keys, values)]
-        query = ["QUERY", f"k{keys[0]}", "ANSWER"] if self.num_needles > 1 else ["QUERY", "ANSWER"]
+        # One needle needs no key (the marker alone finds it); several are told apart by their keys.
+        needles = [["NEEDLE"] + ([f"k{k}"] if self.num_needles > 1 else []) + [f"v{v}" for v in vs] for k, vs in zip(keys, values)]
+        query = ["QUERY", f"k{keys[0]}"] if self.num_needles > 1 else ["QUERY"]
         n_filler = self.prompt_tokens - sum(map(len, needles)) - len(query)
         words = [f"f{rng.randrange(self.num_filler)}" for _ in range(n_filler)]
         # Needles at distinct filler boundaries, inserted back to front so earlier offsets stay valid.
@@ -79,7 +84,7 @@ class MultiNeedleRetrieval(Task):
         return {
             "id": f"{self.name}-{split}-{index}",
             "prompt": " " + " ".join(words + query),
-            "reference": " " + answer,
+            "reference": " ANSWER " + answer,
             "needle_offsets": sorted(offsets),
         }
 
@@ -88,14 +93,18 @@ class MultiNeedleRetrieval(Task):
         return [self.example(split, start + i) for i in range(n)]
 
     def reward(self, completion: str, example: Example) -> float:
-        """Value tokens reproduced in place over max(len(answer), len(reference)): 1.0 only for the exact
-        answer, partial credit for a partly right one, and extra words cost as much as wrong ones."""
+        """0 without the leading ANSWER marker; else the value tokens reproduced in place over
+        max(len(given), len(value)): 1.0 only for the exact answer, partial credit for a partly right one,
+        and extra words cost as much as wrong ones."""
         got, want = completion.split(), example["reference"].split()
+        if not got or got[0] != want[0]:
+            return 0.0
+        got, want = got[1:], want[1:]
         return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want))
 
 
 class NeedleRetrieval(MultiNeedleRetrieval):
-    """One marked key-value pair in filler; answer its value."""
+    """One marked value (`NEEDLE v40`) in filler; answer it (`ANSWER v40`)."""
 
     name = "needle"
 
