@@ -157,7 +157,13 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
         console.print(f"warm start: reusing {path}", soft_wrap=True)
         return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
     ws = cfg.model.warmstart
-    stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, progress=progress)
+    if ws.get("task"):  # e.g. shorter prompts for the warm start than for RL: {prompt_tokens: 64}
+        try:
+            task = instantiate(cfg.task, **ws.task)
+        except Exception as err:
+            raise ConfigError(f"model.warmstart.task: {_root_cause(err)}") from None
+    stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
+                       label_smoothing=ws.get("label_smoothing", 0.0), progress=progress)
     tmp = path.with_name(path.name + ".tmp")
     hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)
