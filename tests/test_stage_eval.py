@@ -121,7 +121,7 @@ def test_cli_eval_gsm8k_end_to_end(tmp_path, gsm8k):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "SMD_CACHE_DIR": str(tmp_path / "cache")}
     script = Path(sys.executable).with_name("smd")  # the installed entry point
     smd = [str(script), "eval"] if script.is_file() else [sys.executable, "-m", "smd_cli.cli", "eval"]
-    args = [*gsm8k, "model=tiny", "eval.limit=3", "model.warmstart.steps=0", "eval.max_new_tokens=4", "device=cpu",
+    args = [*gsm8k, "model=tiny", "eval.limit=3", "eval.max_new_tokens=4", "device=cpu",
             f"hydra.run.dir={tmp_path / 'run'}"]
     done = subprocess.run([*smd, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -129,5 +129,6 @@ def test_cli_eval_gsm8k_end_to_end(tmp_path, gsm8k):
     rows = rows_of(tmp_path)
     assert summary["n"] == len(rows) == 3 and summary["metric"] == sum(r["accuracy"] for r in rows) / 3
     assert "smd eval: gsm8k/test" in done.stdout and "accuracy" in done.stdout
+    assert not (tmp_path / "cache" / "warmstart").exists()  # the tiny warm start is for the generated tasks only
     bad = subprocess.run([*smd, *args, "eval.batch_size=0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "eval.batch_size=0 is not allowed" in bad.stderr

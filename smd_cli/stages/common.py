@@ -130,12 +130,13 @@ def load_tokenizer(cfg: DictConfig):
 
 def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):
     """(model, tokenizer) for `cfg.model`: a Hub checkpoint, its architecture with random weights, or the
-    tiny model (warm-started on `task`, cached under `cfg.cache_dir` so it is trained once)."""
+    tiny model (warm-started on a generated `task`, cached under `cfg.cache_dir` so it is trained once)."""
     m = cfg.model
     tokenizer = load_tokenizer(cfg)
     if m.name_or_path is None:
         model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, **dict(m.config or {}))
-        if m.get("warmstart") and m.warmstart.steps > 0:
+        # The warm start is for the generated tasks; the tiny model is a smoke test on the paper's datasets.
+        if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
         model = models.load_hub_model(
