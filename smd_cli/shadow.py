@@ -87,10 +87,12 @@ def _replay(query, key, value, evict_layer, prompt_length: int, scaling):
     columns = torch.arange(query.shape[2], device=query.device)
     pieces = []
     if prompt_length > 0:
-        shared = visibility(evict_layer[:, :1, :prompt_length], columns[:prompt_length])  # [B, 1, P, P]
+        # Without left padding the prompt rows are plain causal attention: SDPA's fused causal path, no mask.
+        padded = bool((evict_layer[:, :1, :prompt_length] == 0).any())
+        shared = visibility(evict_layer[:, :1, :prompt_length], columns[:prompt_length]) if padded else None  # [B, 1, P, P]
         pieces.append(F.scaled_dot_product_attention(
             query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
-            attn_mask=shared, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+            attn_mask=shared, is_causal=not padded, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         ))
     if prompt_length < query.shape[2]:
         mask = visibility(evict_layer, columns[prompt_length:])  # [B, Hkv, R, T]
