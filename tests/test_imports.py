@@ -1,0 +1,35 @@
+"""Imports run one way (STYLE.md): cli -> stages -> library; only cli.py and stages/ see Hydra/OmegaConf;
+stages do not import each other (their shared helpers live in common.py and train_state.py)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "smd_cli"
+STAGE_HELPERS = {"common", "train_state"}
+
+
+def imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_library_code_never_sees_hydra_or_the_stages():
+    library = [p for p in PACKAGE.rglob("*.py") if "stages" not in p.parts and p.name != "cli.py"]
+    assert len(library) >= 25
+    for path in library:
+        bad = {m for m in imports(path) if m.split(".")[0] in ("hydra", "omegaconf") or m.startswith("smd_cli.stages") or m == "smd_cli.cli"}
+        assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
+
+
+def test_stages_do_not_import_each_other():
+    stages = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__"}
+    assert {"prepare_data", "rollout", "train", "evaluate", "ablate"} <= stages
+    for name in stages - STAGE_HELPERS:
+        used = {m.split(".")[2] for m in imports(PACKAGE / "stages" / f"{name}.py") if m.startswith("smd_cli.stages.")}
+        assert used <= STAGE_HELPERS, f"stages/{name}.py imports stages {sorted(used - STAGE_HELPERS)}"
