@@ -79,13 +79,15 @@ def tiny_config(vocab_size: int, **overrides) -> Qwen3Config:
     return Qwen3Config(**base)
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0, **overrides) -> Qwen3ForCausalLM:
-    """A randomly initialised tiny Qwen3 (float32), reproducible from `seed`."""
+def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 from `tiny_config` (+ overrides, e.g. the 4B architecture), reproducible
+    from `seed`. Other dtypes are built in that dtype directly (a 4B model never exists in float32)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_config(vocab_size, **overrides))
+        config = tiny_config(vocab_size, **overrides)
+        model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
-    return model.float()
+    return model
 
 
 def load_hub_model(

@@ -133,14 +133,18 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     tiny model (warm-started on a generated `task`, cached under `cfg.cache_dir` so it is trained once)."""
     m = cfg.model
     tokenizer = load_tokenizer(cfg)
+    attn = m.attn_implementation
+    if device.type == "cpu" and attn == "flex_attention":
+        attn = "sdpa"  # flex attention has no CPU backward (torch 2.13/2.14); the shadow replay picks its own backend
     if m.name_or_path is None:
-        model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, **dict(m.config or {}))
+        model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, dtype=getattr(torch, m.dtype),
+                                        **{"attn_implementation": attn, **dict(m.config or {})})
         # The warm start is for the generated tasks; the tiny model is a smoke test on the paper's datasets.
         if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
         model = models.load_hub_model(
-            m.name_or_path, m.dtype, m.attn_implementation, m.trust_remote_code, m.random_init, dict(m.config or {})
+            m.name_or_path, m.dtype, attn, m.trust_remote_code, m.random_init, dict(m.config or {})
         )
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable()
