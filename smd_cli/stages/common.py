@@ -15,12 +15,14 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from transformers import Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
 from smd_cli import models
-from smd_cli.io import seed_everything, write_provenance
+from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
+from smd_cli.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 console = Console()
@@ -152,10 +154,7 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
 
 
 def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
-    from transformers import Qwen3ForCausalLM
-
-    from smd_cli.warmstart import warm_start
-
+    """The tiny model after the supervised warm start on `task`, trained once and cached by config hash."""
     key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file():
@@ -173,8 +172,6 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)
     (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
-    from smd_cli.io import replace_dir_atomic
-
     replace_dir_atomic(tmp, path)
     console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}", soft_wrap=True)
     console.print(f"warm start cached at {path}", soft_wrap=True)
