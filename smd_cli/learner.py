@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smd_cli.losses import aggregate, clipped_surrogate, distill_kl, entropy, k3_kl, sparse_rl_weights, tis_weights
+from smd_cli.losses import aggregate, clipped_surrogate, distill_kl, entropy, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
 from smd_cli.rollout import RolloutBatch
 from smd_cli.shadow import response_logits, token_logprobs
 
@@ -69,19 +69,6 @@ def _view_logits(model, batch: RolloutBatch, rows: slice, algo: Algorithm) -> to
     return response_logits(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at)
 
 
-def _mismatch(prefix: str, logp: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far a learner's log-probs are from the sampler's on real tokens: max/mean |diff| and k3 KL."""
-    valid = mask.bool()
-    if not valid.any():
-        return {}
-    diff = (logp - sampler)[valid]
-    return {
-        f"{prefix}max_abs_diff": float(diff.abs().max()),
-        f"{prefix}mean_abs_diff": float(diff.abs().mean()),
-        f"{prefix}kl_k3": float(k3_kl(sampler[valid], logp[valid]).mean()),
-    }
-
-
 def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None) -> dict[str, float]:
     """Update `model` on `batch` (N sequences) with per-sequence `advantages` [N]; returns metrics.
 
@@ -117,7 +104,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
     if total_tokens == 0:  # every token rejected (Sparse-RL): nothing to learn from; the caller counts the skip
         if dense_logp is not None:
-            metrics.update(_mismatch("mismatch/dense_", dense_logp, sampler, mask))
+            metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
         return {**metrics, "learner/skipped_empty_batch": 1.0}
 
     optimizer.zero_grad(set_to_none=True)  # gradients left by earlier code (e.g. the warm start) must not leak in
@@ -161,11 +148,11 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         optimizer.zero_grad(set_to_none=True)
     model.eval()
 
-    metrics.update(_mismatch("mismatch/", torch.cat(view_logp), sampler, mask))
+    metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
     if teacher_logp:
         dense_logp = torch.cat(teacher_logp)
     if dense_logp is not None:
-        metrics.update(_mismatch("mismatch/dense_", dense_logp, sampler, mask))
+        metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
     metrics.update(sums)
     metrics.update(
         {

@@ -45,6 +45,20 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def mismatch_stats(prefix: str, logp: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far a learner's log-probs are from the sampler's on real tokens: `{prefix}max_abs_diff`,
+    `{prefix}mean_abs_diff` and `{prefix}kl_k3` (k3 estimate of KL(sampler || learner) on the samples)."""
+    valid = mask.bool()
+    if not valid.any():
+        return {}
+    diff = (logp - sampler)[valid]
+    return {
+        f"{prefix}max_abs_diff": float(diff.abs().max()),
+        f"{prefix}mean_abs_diff": float(diff.abs().mean()),
+        f"{prefix}kl_k3": float(k3_kl(sampler[valid], logp[valid]).mean()),
+    }
+
+
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: float) -> torch.Tensor:
     """Reduce per-token values [N, R] to a scalar over this (micro-)batch, normalised for the full batch.
 

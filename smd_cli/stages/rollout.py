@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from smd_cli.io import write_json, write_jsonl
+from smd_cli.losses import mismatch_stats
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate
 from smd_cli.shadow import response_logits, token_logprobs
@@ -44,10 +45,7 @@ def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool
     report = {
         "parity/max_abs_diff_shadow": float((shadow - sampler).abs().max()),
         "parity/mean_abs_diff_shadow": float((shadow - sampler).abs().mean()),
-        "mismatch/dense_mean_abs_diff": float((dense - sampler).abs().mean()),
-        "mismatch/dense_max_abs_diff": float((dense - sampler).abs().max()),
-        # k3 estimator of KL(pi_sampler || pi_dense) on the sampled tokens: (r - 1) - log r, r = pi_dense / pi_sampler
-        "mismatch/dense_kl_k3": float(((dense - sampler).exp() - 1 - (dense - sampler)).mean()),
+        **mismatch_stats("mismatch/dense_", dense, sampler, torch.ones_like(dense, dtype=torch.bool)),
     }
     if physical and batch.evict_at is not None:
         report["parity/max_abs_diff_physical"] = float((logp(physical_response_logits(*args, batch.evict_at)) - sampler).abs().max())
