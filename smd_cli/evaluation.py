@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from smd_cli.rollout import generate
+from smd_cli.rollout import ended_with_eos, generate, response_texts
 from smd_cli.tasks.base import Example, Task
 
 
@@ -31,18 +31,6 @@ def _progress(enabled: bool, total: int):
 
     progress = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled)
     return progress, progress.add_task("examples", total=total)
-
-
-def _decode_responses(batch, tokenizer) -> tuple[list[str], list[int], list[bool]]:
-    """Completion texts (special tokens dropped), their token counts, and whether each ended with eos."""
-    texts, lengths, finished = [], [], []
-    responses = batch.input_ids[:, batch.prompt_length :]  # [N, R]
-    for row in range(responses.shape[0]):
-        ids = responses[row][batch.response_mask[row]].tolist()
-        texts.append(tokenizer.decode(ids, skip_special_tokens=True))
-        lengths.append(len(ids))
-        finished.append(bool(ids) and ids[-1] == tokenizer.eos_token_id)
-    return texts, lengths, finished
 
 
 def _scores(task: Task, completion: str, example: Example) -> dict[str, float]:
@@ -90,7 +78,8 @@ def evaluate(
             )
             kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])
             kv_peak_dense = max(kv_peak_dense, batch.stats.get("kv/bytes_peak_dense", float("nan")))
-            texts, lengths, finished = _decode_responses(batch, tokenizer)
+            texts, finished = response_texts(batch, tokenizer), ended_with_eos(batch, tokenizer.eos_token_id).tolist()
+            lengths = batch.response_mask.sum(1).tolist()
             for i, text, length, done in zip(chunk, texts, lengths, finished):
                 example = examples[i]
                 rows[i] = {

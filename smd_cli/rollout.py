@@ -172,6 +172,20 @@ class _Run:
                             evict_at, stats, visibility)
 
 
+def response_texts(batch: RolloutBatch, tokenizer) -> list[str]:
+    """Each row's generated text (eos and other special tokens dropped)."""
+    responses = batch.input_ids[:, batch.prompt_length :]  # [N, R]
+    return [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, batch.response_mask)]
+
+
+def ended_with_eos(batch: RolloutBatch, eos_token_id: int) -> torch.Tensor:
+    """[N] bool: whether each row stopped on eos (False for a row cut at max_new_tokens)."""
+    lengths = batch.response_mask.sum(1)
+    responses = batch.input_ids[:, batch.prompt_length :]
+    last = responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    return (lengths > 0) & (last == eos_token_id)
+
+
 def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBatch:
     """One batch from rollouts generated in chunks: prompts re-padded on the left to the widest P, responses
     on the right to the longest R, and shadow masks moved to the new columns (a left shift `d` adds `d` to

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from smd_cli.io import write_json, write_jsonl
 from smd_cli.losses import mismatch_stats
 from smd_cli.physical import physical_response_logits
-from smd_cli.rollout import RolloutBatch, generate
+from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.shadow import response_logits, token_logprobs
 from smd_cli.stages.common import build_policy, build_task, check, console, load_model, print_metrics, start_run
 
@@ -87,8 +87,7 @@ def run(cfg: DictConfig) -> dict:
                      temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                      generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress)
-    responses = batch.input_ids[:, batch.prompt_length:]
-    texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, batch.response_mask)]
+    texts = response_texts(batch, tokenizer)
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
     summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical), **batch.stats}
     summary.update({"reward/mean": sum(rewards) / len(rewards), "rollout/rows": len(prompts),

@@ -30,7 +30,7 @@ from smd_cli.io import MetricsLog, write_json
 from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.profiler import PhaseMemory
-from smd_cli.rollout import concat_rollouts, generate
+from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
 from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, print_metrics, start_run
 from smd_cli.stages.train_state import find_resume, last_logged, resume, save, stop_diverged
 
@@ -238,16 +238,7 @@ def progress_text(name: str, metrics: dict) -> str:
 
 
 def rollout_rewards(batch, tokenizer, task, examples) -> list[float]:
-    responses = batch.input_ids[:, batch.prompt_length :]
-    texts = [tokenizer.decode(r[m].tolist(), skip_special_tokens=True) for r, m in zip(responses, batch.response_mask)]
-    return [float(task.reward(t, e)) for t, e in zip(texts, examples)]
-
-
-def ended_with_eos(batch, eos_token_id: int) -> torch.Tensor:
-    lengths = batch.response_mask.sum(1)
-    responses = batch.input_ids[:, batch.prompt_length :]
-    last = responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-    return (lengths > 0) & (last == eos_token_id)
+    return [float(task.reward(t, e)) for t, e in zip(response_texts(batch, tokenizer), examples)]
 
 
 def print_summary(summary: dict, run_dir) -> None:
