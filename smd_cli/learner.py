@@ -9,7 +9,12 @@
 | smd           | shadow mask (= sampler) | the sampler's own log-probs      | + lambda KL(sg[dense] || shadow) |
 
 Every algorithm runs one no-grad dense forward besides the learner's: the old-policy recompute, or for
-SMD the dense teacher. That is why SMD costs about what naive sparse costs (DESIGN.md contract 5).
+SMD the dense teacher. That is why SMD costs about what naive sparse costs (DESIGN.md contract 5). The
+reference policy of the KL term (`beta > 0`) is scored in the learner's own view, so that the KL is zero
+at theta = ref for SMD too. Forwards return hidden states; everything over the vocabulary (log-probs,
+entropy, SMD's KL) is computed in chunks (`smd_cli.scoring`), so no [N, R, V] tensor is ever held.
+The optimizer may be a `MasterWeights` (bf16 compute, float32 masters): the step clips and updates
+whatever parameters the optimizer holds.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from smd_cli.losses import aggregate, clipped_surrogate, distill_kl, entropy, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
+from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
 from smd_cli.rollout import RolloutBatch
-from smd_cli.shadow import response_logits, token_logprobs
+from smd_cli.scoring import response_hidden, vocab_terms
 
 ALGORITHMS = ("dense", "naive_sparse", "sparse_rl", "tis", "smd")
 
@@ -46,6 +51,8 @@ class Algorithm:
     lam: float = 0.1  # SMD distillation weight
     sparse_rl: dict = field(default_factory=lambda: {"cap": 1.5, "low": 0.5, "high": 1.5, "veto": 1e-4})
     tis_cap: float = 2.0
+    replay_backend: str = "auto"  # shadow replay kernel: auto (flex on CUDA) | sdpa | flex
+    logits_chunk: int | None = None  # response tokens per vocabulary chunk; None = about 2^23 logits
 
     def __post_init__(self):
         if self.name not in ALGORITHMS:
@@ -59,14 +66,22 @@ def _slices(n: int, size: int | None):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def _hidden(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool) -> torch.Tensor:
+    """Hidden states predicting the response of `rows`, [n, R, Hd]: dense, or replaying the shadow mask."""
+    evict_at = batch.evict_at[rows] if shadow else None
+    return response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at, algo.replay_backend)
+
+
 @torch.no_grad()
-def _dense_logits(model, batch: RolloutBatch, rows: slice) -> torch.Tensor:
-    return response_logits(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length)
+def _logprobs(model, batch: RolloutBatch, parts: list[slice], algo: Algorithm, shadow: bool) -> torch.Tensor:
+    """Token log-probs of the whole batch under `model` without gradient, [N, R], micro-batch by micro-batch."""
+    tokens, mask, head = batch.input_ids[:, batch.prompt_length:], batch.response_mask, model.get_output_embeddings()
+    return torch.cat([vocab_terms(head, _hidden(model, batch, s, algo, shadow), tokens[s], mask[s], algo.temperature,
+                                  chunk=algo.logits_chunk)["logp"] for s in parts])
 
 
-def _view_logits(model, batch: RolloutBatch, rows: slice, algo: Algorithm) -> torch.Tensor:
-    evict_at = batch.evict_at[rows] if algo.name == "smd" else None
-    return response_logits(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at)
+def _trainable(optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None) -> dict[str, float]:
@@ -78,14 +93,14 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     mask = batch.response_mask.float()  # [N, R]
     sampler = batch.logprobs.float()  # [N, R]
     parts = _slices(n, algo.micro_batch_size)
+    smd = algo.name == "smd"
+    head = model.get_output_embeddings()
     metrics: dict[str, float] = {}
 
     # The one no-grad dense pass: pi_old up front for the dense-learner algorithms; for SMD the teacher,
-    # computed inside the loop (it needs the full-vocabulary logits, too large to keep for a whole batch).
-    dense_logp = None
-    if algo.name != "smd":
-        dense_logp = torch.cat([token_logprobs(_dense_logits(model, batch, s), tokens[s], algo.temperature) for s in parts])
-    old = sampler if algo.name == "smd" else dense_logp
+    # computed inside the loop (its hidden states, per micro-batch).
+    dense_logp = None if smd else _logprobs(model, batch, parts, algo, shadow=False)
+    old = sampler if smd else dense_logp
     weights, keep = torch.ones_like(mask), mask.clone()
     if algo.name == "sparse_rl":
         weights, kept, stats = sparse_rl_weights(dense_logp, sampler, mask, **algo.sparse_rl)
@@ -98,8 +113,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     if algo.beta > 0:
         if ref_model is None:
             raise ValueError("grpo.beta > 0 needs a reference model")
-        with torch.no_grad():
-            ref_logp = torch.cat([token_logprobs(_dense_logits(ref_model, batch, s), tokens[s], algo.temperature) for s in parts])
+        ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=smd)  # the learner's own view
 
     total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
     if total_tokens == 0:  # every token rejected (Sparse-RL): nothing to learn from; the caller counts the skip
@@ -114,19 +128,23 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     view_logp, teacher_logp = [], []
     for iteration in range(algo.num_iterations):
         for s in parts:
-            logits = _view_logits(model, batch, s, algo)  # [n, R, V]
-            logp = token_logprobs(logits, tokens[s], algo.temperature)
+            teacher = None
+            if smd and algo.lam > 0:
+                with torch.no_grad():
+                    teacher = _hidden(model, batch, s, algo, shadow=False)  # [n, R, Hd], a constant
+            hidden = _hidden(model, batch, s, algo, shadow=smd)
+            terms = vocab_terms(head, hidden, tokens[s], batch.response_mask[s], algo.temperature, teacher, algo.logits_chunk)
+            logp = terms["logp"]
             per_tok, clip = clipped_surrogate(logp, old[s], advantages[s], algo.epsilon, algo.epsilon_high)
             policy = aggregate(per_tok * weights[s], keep[s], algo.loss_agg, total_tokens, total_seqs)
             loss, kl_ref, distill = policy, torch.zeros(()), torch.zeros(())
             if ref_logp is not None:
                 kl_ref = aggregate(k3_kl(logp, ref_logp[s]), keep[s], algo.loss_agg, total_tokens, total_seqs)
                 loss = loss + algo.beta * kl_ref
-            if algo.name == "smd" and algo.lam > 0:
-                teacher = _dense_logits(model, batch, s)
+            if teacher is not None:
                 if iteration == 0:
-                    teacher_logp.append(token_logprobs(teacher, tokens[s], algo.temperature))
-                distill = aggregate(distill_kl(teacher, logits, algo.temperature), mask[s], algo.loss_agg, float(mask.sum()), float(n))
+                    teacher_logp.append(terms["teacher_logp"])
+                distill = aggregate(terms["kl"], mask[s], algo.loss_agg, float(mask.sum()), float(n))
                 loss = loss + algo.lam * distill
             if not torch.isfinite(loss):
                 optimizer.zero_grad(set_to_none=True)
@@ -137,10 +155,10 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 k = keep[s].bool()
                 low += float((clip["low"] & k).sum())
                 high += float((clip["high"] & k).sum())
-                ent += float((entropy(logits, algo.temperature) * mask[s]).sum())
+                ent += float((terms["entropy"] * mask[s]).sum())
             for key, value in (("loss", loss), ("loss/policy", policy), ("loss/kl_ref", kl_ref), ("loss/distill", distill)):
                 sums[key] += float(value.detach()) / algo.num_iterations
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), algo.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)
         if not math.isfinite(float(grad_norm)):
             optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"non-finite gradient norm {float(grad_norm)} at iteration {iteration}")

@@ -120,19 +120,11 @@ def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.
     return weights.detach(), stats
 
 
-def distill_kl(teacher_logits: torch.Tensor, student_logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token KL(teacher || student) over the full vocabulary, [N, R] (the SMD distillation term).
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature) at `tokens`: [B, R] float32 (temperature 0, greedy, counts as 1).
 
-    The teacher is detached here as well, so the gradient reaches the weights only through the student
-    (the shadow branch): `sum_v p_t(v) (log p_t(v) - log p_s(v))`."""
+    For logits that already exist (small models, the physical learner); the learner scores through
+    `smd_cli.scoring.vocab_terms`, which never holds [B, R, V]."""
     scale = 1.0 if temperature == 0 else float(temperature)
-    log_t = torch.log_softmax(teacher_logits.detach().float() / scale, dim=-1)  # [N, R, V]
-    log_s = torch.log_softmax(student_logits.float() / scale, dim=-1)
-    return (log_t.exp() * (log_t - log_s)).sum(dim=-1)
-
-
-def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-token entropy of the policy [N, R] (no gradient needed: a diagnostic)."""
-    scale = 1.0 if temperature == 0 else float(temperature)
-    logp = torch.log_softmax(logits.detach().float() / scale, dim=-1)
-    return -(logp.exp() * logp).sum(dim=-1)
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)
+    return logp.gather(-1, tokens.long()[..., None]).squeeze(-1)

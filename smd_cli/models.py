@@ -12,6 +12,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from smd_cli.attention import use_smd_attention
+
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 SPECIAL_TOKENS = [PAD, BOS, EOS]
 
@@ -60,10 +62,10 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def tiny_config(vocab_size: int, **overrides) -> Qwen3Config:
-    """A small Qwen3: 2 layers, 64 wide, 4 query heads sharing 2 KV heads (GQA), tied embeddings."""
+def tiny_config(**fields) -> Qwen3Config:
+    """A small Qwen3 (2 layers, 64 wide, 4 query heads sharing 2 KV heads, tied embeddings), with `fields`
+    overriding any of it: a vocabulary size, other widths, or a whole architecture (Qwen3-4B's)."""
     base = dict(
-        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=192,
         num_hidden_layers=2,
@@ -73,43 +75,43 @@ def tiny_config(vocab_size: int, **overrides) -> Qwen3Config:
         max_position_embeddings=4096,
         rope_theta=10000.0,
         tie_word_embeddings=True,
-        attn_implementation="sdpa",
     )
-    base.update(overrides)
+    base.update(fields)
     return Qwen3Config(**base)
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> Qwen3ForCausalLM:
-    """A randomly initialised Qwen3 from `tiny_config` (+ overrides, e.g. the 4B architecture), reproducible
-    from `seed`. Other dtypes are built in that dtype directly (a 4B model never exists in float32)."""
-    with torch.random.fork_rng(devices=[]):
+def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu", **overrides) -> Qwen3ForCausalLM:
+    """A randomly initialised Qwen3 from `tiny_config(vocab_size=vocab_size, **overrides)`, reproducible from
+    `seed`, built on `device` in `dtype` directly (a 4B model never exists in float32), with the smd attention."""
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
-        config = tiny_config(vocab_size, **overrides)
+        config = tiny_config(vocab_size=vocab_size, **overrides)
         model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
-    return model
+    return use_smd_attention(model)
 
 
-def load_hub_model(
-    name_or_path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, random_init: bool, config_overrides: dict | None = None
-):
-    """A Hub (or local) causal LM; `random_init` builds the architecture with random weights.
-
-    With `random_init` and `config_overrides` holding a full architecture (`model_type` included), nothing
-    is downloaded: the config is built from the overrides alone."""
+def load_hub_model(name_or_path: str, dtype: str, trust_remote_code: bool, random_init: bool, config_overrides: dict | None = None):
+    """A Hub (or local) causal LM in `dtype`, with the smd attention; `random_init` builds the architecture
+    with random weights (downloading only its config.json)."""
     torch_dtype = getattr(torch, dtype)
     if random_init:
-        overrides = dict(config_overrides or {})
-        if "model_type" in overrides:
-            config = AutoConfig.for_model(**overrides)
-        else:
-            config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **overrides)
-        return AutoModelForCausalLM.from_config(
-            config, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        name_or_path, use_safetensors=True, dtype=torch_dtype, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code
-    )
+        config = AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **dict(config_overrides or {}))
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa", trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, use_safetensors=True, dtype=torch_dtype, attn_implementation="sdpa",
+                                                     trust_remote_code=trust_remote_code, **dict(config_overrides or {}))
+    return use_smd_attention(model)
+
+
+def enable_checkpointing(model) -> None:
+    """Gradient (activation) checkpointing of every decoder layer, non-reentrant: a layer's activations are
+    recomputed during backward, with the same keyword arguments, hence the same (shadow) attention."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.?: the new name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def load_hub_tokenizer(name_or_path: str, trust_remote_code: bool):

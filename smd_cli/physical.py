@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from smd_cli.shadow import SHADOW, attention_implementation, position_ids_from_mask
+from smd_cli.attention import use_smd_attention
+from smd_cli.shadow import Replay, position_ids_from_mask
 
 
 def chunk_bounds(evict_at: torch.Tensor, prompt_length: int, width: int) -> list[int]:
@@ -51,21 +52,18 @@ def physical_response_logits(model, input_ids, attention_mask, prompt_length: in
     columns = [torch.empty(rows, kv_heads, 0, dtype=torch.long, device=input_ids.device) for _ in range(layers)]
     bounds = chunk_bounds(evict_at, prompt_length, width)
     pieces = []
-    with attention_implementation(model, SHADOW):
-        for start, stop in zip(bounds[:-1], bounds[1:]):
-            query_columns = torch.arange(start, stop, device=input_ids.device)
-            key_columns = [torch.cat([c, query_columns.expand(rows, kv_heads, -1)], dim=-1) for c in columns]
-            out = model(
-                input_ids=input_ids[:, start:stop],
-                position_ids=position_ids[:, start:stop],
-                cache=cache,
-                use_cache=True,
-                logits_to_keep=1 if start == 0 else 0,
-                shadow_evict_at=evict_at,
-                shadow_key_columns=key_columns,
-                shadow_query_columns=query_columns,
-                shadow_backend="sdpa",
-            )
-            pieces.append(out.logits)  # prefill: [N, 1, V] at P - 1; then [N, stop - start, V]
-            columns = [compact(cache.layers[l], key_columns[l], evict_at[:, l], stop) for l in range(layers)]
+    use_smd_attention(model)
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        query_columns = torch.arange(start, stop, device=input_ids.device)
+        key_columns = [torch.cat([c, query_columns.expand(rows, kv_heads, -1)], dim=-1) for c in columns]
+        out = model(
+            input_ids=input_ids[:, start:stop],
+            position_ids=position_ids[:, start:stop],
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=1 if start == 0 else 0,
+            shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns),
+        )
+        pieces.append(out.logits)  # prefill: [N, 1, V] at P - 1; then [N, stop - start, V]
+        columns = [compact(cache.layers[l], key_columns[l], evict_at[:, l], stop) for l in range(layers)]
     return torch.cat(pieces, dim=1)  # [N, R, V]

@@ -1,8 +1,8 @@
 """Batched sampling with an evicting KV cache, recording what every generated token could see.
 
 `generate` left-pads the prompts, prefills, then decodes one token per step for all rows. With a policy,
-the model runs the `ROLLOUT` attention (`smd_cli.rollout_attention`): each layer attends, then the
-policy evicts from that layer's `EvictingCache` (evict after the attention has run), and the evictions are
+every forward carries a `RolloutState`, so the model's attention runs the evicting rollout
+(`smd_cli.rollout_attention`): each layer attends, then the policy evicts from that layer's `EvictingCache` (evict after the attention has run), and the evictions are
 written into the shadow mask `evict_at[N, L, Hkv, T]` (DESIGN.md section 2). Without a policy it is a
 plain dense rollout on a `DynamicCache`. The sampler's log-probs are `log_softmax(logits / temperature)`
 at the sampled token, before top-p filtering (temperature 0 = greedy, scored at temperature 1).
@@ -20,8 +20,9 @@ from transformers import DynamicCache
 
 from smd_cli.cache import EvictingCache, KVMeter, kv_bytes
 from smd_cli.eviction.base import EvictionPolicy
-from smd_cli.rollout_attention import ROLLOUT, RolloutState
-from smd_cli.shadow import attention_implementation, position_ids_from_mask
+from smd_cli.attention import use_smd_attention
+from smd_cli.rollout_attention import RolloutState
+from smd_cli.shadow import position_ids_from_mask
 
 
 @dataclass
@@ -243,8 +244,8 @@ def generate(
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
     run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility)
     bar, task = _progress(progress, max_new_tokens)
-    implementation = model.config._attn_implementation if policy is None else ROLLOUT
-    with bar, attention_implementation(model, implementation):
+    use_smd_attention(model)
+    with bar:
         for step in range(max_new_tokens):
             tokens, token_logp = sample(run.forward(model, step), temperature, top_p, generator)
             run.record(step, tokens, token_logp, eos_token_id, pad_token_id)

@@ -1,15 +1,16 @@
 """The rollout's attention: attend, let the policy evict from the layer's cache, record the shadow mask.
 
-Registered as `ROLLOUT` with transformers' `AttentionInterface`; the rollout passes a `RolloutState` as
-the `rollout_state=` keyword of every forward. No mask function is registered: this attention builds its
-own masks (the 2-D padding mask is applied by physical slot, so left-padded rows need per-slot masks).
+Called by the model's attention (`smd_cli.attention`) for every forward given `rollout_state=`, a
+`RolloutState` for one batch of rows. It builds no [P, P] mask: the 2-D padding mask is folded into the
+state (`key_real`), and slots are masked by validity.
 
-Prefill (the whole padded prompt, one layer at a time): causal attention with padding keys hidden, then
-the policy scores what it needs (SnapKV only the observation-window rows, H2O column sums in chunks) and
-the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt
-KV of only one layer is ever alive. Decode (one token): attention over the valid slots; decode-time
-policies then update their slot scores and evict. Every eviction after the query at column `i` has
-attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
+Prefill (the whole padded prompt, one layer at a time): causal attention through the mask-free causal
+kernel (`kernels.causal`), then the policy scores what it needs (SnapKV only the observation-window rows,
+H2O column sums in chunks) and the kept entries are copied into that layer's `EvictingLayer`, before the
+next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
+valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
+or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
+column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
 
+from smd_cli import kernels
 from smd_cli.cache import FREE, EvictingCache
 from smd_cli.eviction.base import EvictionPolicy, PrefillView
-from smd_cli.shadow import NEVER, sdpa_per_kv_head
-
-ROLLOUT = "smd_rollout"
+from smd_cli.shadow import NEVER
 
 
 @dataclass
@@ -65,13 +63,10 @@ class RolloutState:
         return evict_at.contiguous(), visibility
 
 
-def _prefill(module, query, key, value, scaling, state: RolloutState):
-    layer, width = module.layer_idx, state.prompt_width
-    columns = torch.arange(width, device=query.device)
-    causal = columns[None, :] <= columns[:, None]  # [P, P]
-    mask = (causal & state.key_real[:, None, None, :]) | torch.eye(width, dtype=torch.bool, device=query.device)  # [N, 1, P, P]
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
-    view = PrefillView(query=query, key=key, mask=mask, key_real=state.key_real, scaling=scaling, layer_idx=layer)
+def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
+    width = state.prompt_width
+    out = kernels.causal(query, key, value, scaling, state.first_real)
+    view = PrefillView(query=query, key=key, key_real=state.key_real, scaling=scaling, layer_idx=layer)
     chosen = state.policy.select_prefill(view, state.budget)
     state.cache.layers[layer].fill(key, value, chosen.index, chosen.ok, chosen.scores)
     target = torch.where(chosen.ok, chosen.index, width)  # padding of short rows goes to a spare column
@@ -79,24 +74,16 @@ def _prefill(module, query, key, value, scaling, state: RolloutState):
     real = state.key_real[:, None, :].expand_as(kept)
     state.evict_at[:, layer, :, :width] = torch.where(real & ~kept, width, torch.where(real, NEVER, 0)).to(torch.int32)
     if state.visibility is not None:
-        state.visibility[:, layer, :, :width, :width] = mask
+        state.visibility[:, layer, :, :width, :width] = view.mask()
     state.layer_entries[layer] = int(chosen.ok.sum())
     return out
 
 
-def _decode_attention(query, key, valid, scaling) -> torch.Tensor:
-    """This step's attention probabilities, summed over each KV head's query group: [N, Hkv, S]."""
-    groups = query.shape[1] // key.shape[1]
-    logits = query.float() @ key.float().repeat_interleave(groups, dim=1).transpose(-1, -2) * scaling  # [N, H, 1, S]
-    probs = logits.masked_fill(~valid.repeat_interleave(groups, dim=1)[:, :, None], float("-inf")).softmax(dim=-1)
-    return probs.view(key.shape[0], key.shape[1], groups, -1).sum(dim=2)
-
-
-def _decode(module, query, key, value, scaling, state: RolloutState):
-    layer, column = module.layer_idx, state.cache.column
+def _decode(layer: int, query, key, value, scaling, state: RolloutState):
+    column = state.cache.column
     slots = state.cache.layers[layer]
     valid = slots.valid()  # [N, Hkv, S]
-    out = sdpa_per_kv_head(query, key, value, valid[:, :, None, :], scaling)
+    out = kernels.grouped(query, key, value, valid[:, :, None, :], scaling)
     if state.visibility is not None:
         width = state.visibility.shape[-1]
         seen = torch.zeros(valid.shape[:2] + (width + 1,), dtype=torch.bool, device=valid.device)
@@ -106,7 +93,8 @@ def _decode(module, query, key, value, scaling, state: RolloutState):
     policy = state.policy
     step = column - state.prompt_width
     if policy.decode_time:
-        received = _decode_attention(query, key, valid, scaling)
+        probs = kernels.grouped_probs(query, key, valid[:, :, None, :], scaling)  # [N, H, 1, S]
+        received = probs.view(key.shape[0], key.shape[1], -1, probs.shape[-1]).sum(dim=2)  # summed over each query group
         slots.scores = policy.decode_scores(slots.scores, received.masked_fill(~valid, 0.0), step)
     if policy.evicts_after(step):
         evict = policy.select_decode(slots.scores, slots.columns, state.budget, column, state.first_real)
@@ -117,18 +105,12 @@ def _decode(module, query, key, value, scaling, state: RolloutState):
     return out
 
 
-def rollout_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention of the evicting rollout; needs `rollout_state=` in the forward's keyword arguments."""
-    state = kwargs.get("rollout_state")
-    if state is None:
-        raise ValueError(f"the {ROLLOUT!r} attention needs `rollout_state=` in the forward's keyword arguments")
+def rollout_attention(layer: int, query, key, value, scaling: float, state: RolloutState) -> torch.Tensor:
+    """Attention of the evicting rollout at layer `layer`: [N, H, q, D]."""
     if query.shape[2] > 1:
-        out = _prefill(module, query, key, value, scaling, state)
+        out = _prefill(layer, query, key, value, scaling, state)
     else:
-        out = _decode(module, query, key, value, scaling, state)
-    if module.layer_idx == len(state.layer_entries) - 1:
+        out = _decode(layer, query, key, value, scaling, state)
+    if layer == len(state.layer_entries) - 1:
         state.entries_peak = max(state.entries_peak, sum(state.layer_entries))
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ROLLOUT, rollout_attention)
+    return out

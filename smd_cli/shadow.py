@@ -7,25 +7,31 @@ token's logits come from the dense prefill); padding keys hold 0. A real token's
 (`evict_at[i] > i`), so `evict_at` also says which query rows are real: padding rows attend only themselves,
 which keeps softmax free of NaN. That is the whole rule (`visibility`).
 
-Replay: the attention function `SHADOW` (registered with transformers' `AttentionInterface`, with a mask
-function that hands it the 2-D padding mask) reads `evict_at` from the forward's keyword arguments and
-builds one layer's mask at a time, expanded from KV heads to query heads, for SDPA (CPU, with backward);
-or, with the flex backend (CUDA by default), a `BlockMask` from a `mask_mod` reading `evict_at`, so that
-no T x T mask is ever materialised. `response_logits` and `token_logprobs` are what the learner calls.
+Replay (`replay`, called by the model's attention for a forward given `shadow=Replay(...)`), per layer:
+- backend "sdpa" (CPU, and anywhere flex is not wanted): the prompt rows (i < P) are plain causal
+  attention with left padding (evictions start at P), so they take the mask-free causal kernel; only the
+  response rows build a per-KV-head mask [B, Hkv, R, T], with the query groups folded (`kernels.grouped`).
+- backend "flex" (CUDA by default): `flex_attention` with one `BlockMask` per forward (`block_mask`),
+  built from block indices alone (every causal block, no [T, T] evaluation) and shared by all layers
+  and by the recompute of gradient checkpointing; each layer swaps in a `mask_mod` that reads its own
+  slice of `evict_at`, so nothing T x T is ever materialised.
+The `Replay` travels as a keyword argument of the forward, so the recompute that gradient checkpointing
+runs during `backward()` replays the very same mask.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
-from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
-SHADOW = "smd_shadow"
+from smd_cli import kernels
+
 NEVER = torch.iinfo(torch.int32).max  # sentinel while the final width is not known yet
+FLEX_BLOCK = 128  # flex_attention's default sparse block size
 
 
 def visibility(evict_at: torch.Tensor, query_columns: torch.Tensor, key_columns: torch.Tensor | None = None) -> torch.Tensor:
@@ -48,107 +54,6 @@ def decode_visibility(evict_at: torch.Tensor) -> torch.Tensor:
     return torch.stack([visibility(evict_at[:, layer], columns) for layer in range(evict_at.shape[1])], dim=1)
 
 
-def sdpa_per_kv_head(query, key, value, mask, scaling):
-    """SDPA with a per-KV-head boolean mask [B, Hkv, q, S], expanded to the query heads."""
-    groups = query.shape[1] // key.shape[1]
-    mask = mask.repeat_interleave(groups, dim=1)  # [B, H, q, S]: one layer at a time
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=groups > 1)
-
-
-_compiled_flex = None
-
-
-def _flex(query, key, value, evict_layer, scaling):
-    """flex_attention with a BlockMask whose mask_mod reads evict_at [B, Hkv, T]: nothing T x T is built."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    groups = query.shape[1] // key.shape[1]
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        seen = (kv_idx <= q_idx) & (q_idx < evict_layer[b, h // groups, kv_idx]) & (q_idx < evict_layer[b, h // groups, q_idx])
-        return seen | (q_idx == kv_idx)
-
-    batch, heads, width = query.shape[0], query.shape[1], query.shape[2]
-    block_mask = create_block_mask(mask_mod, batch, heads, width, key.shape[2], device=query.device)
-    if query.is_cuda and _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    if query.is_cuda:
-        return _compiled_flex(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=groups > 1)
-    with warnings.catch_warnings():  # eager CPU flex (forward-only parity checks) warns that it is unfused
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=groups > 1)
-
-
-def _replay(query, key, value, evict_layer, prompt_length: int, scaling):
-    """Replay over all T columns. Query rows before `prompt_length` only ever see a causal, padded prompt
-    (evictions start at P), so they share one [B, 1, P, P] mask, as in the dense learner; only the response
-    rows need per-head masks [B, H, R, T]. Same result as one [B, H, T, T] mask, a fraction of its memory."""
-    columns = torch.arange(query.shape[2], device=query.device)
-    pieces = []
-    if prompt_length > 0:
-        # Without left padding the prompt rows are plain causal attention: SDPA's fused causal path, no mask.
-        padded = bool((evict_layer[:, :1, :prompt_length] == 0).any())
-        shared = visibility(evict_layer[:, :1, :prompt_length], columns[:prompt_length]) if padded else None  # [B, 1, P, P]
-        pieces.append(F.scaled_dot_product_attention(
-            query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
-            attn_mask=shared, is_causal=not padded, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
-        ))
-    if prompt_length < query.shape[2]:
-        mask = visibility(evict_layer, columns[prompt_length:])  # [B, Hkv, R, T]
-        pieces.append(sdpa_per_kv_head(query[:, :, prompt_length:], key, value, mask, scaling))
-    return torch.cat(pieces, dim=2)
-
-
-def shadow_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Attention under the shadow mask of layer `module.layer_idx`.
-
-    Keyword arguments of the forward: `shadow_evict_at` [B, L, Hkv, T] (required); `shadow_prompt_length`
-    (P, lets prompt rows share one mask); `shadow_key_columns` (a list, per layer, of [B, Hkv, S] columns of
-    the cached keys, for the physical learner's chunks) with `shadow_query_columns` [q];
-    `shadow_backend` "sdpa" | "flex" | "auto" (flex on CUDA). A 2-D padding mask, when given, is folded in:
-    padding keys are hidden and padding rows see only themselves, whatever `evict_at` says."""
-    evict_at = kwargs.get("shadow_evict_at")
-    if evict_at is None:
-        raise ValueError(f"the {SHADOW!r} attention needs `shadow_evict_at=` in the forward's keyword arguments")
-    evict_layer = evict_at[:, module.layer_idx]  # [B, Hkv, T]
-    if attention_mask is not None and attention_mask.dim() == 2:
-        evict_layer = evict_layer.masked_fill(~attention_mask[:, None, :].bool(), 0)
-    key_columns = kwargs.get("shadow_key_columns")
-    backend = kwargs.get("shadow_backend", "auto")
-    if backend not in ("auto", "sdpa", "flex"):
-        raise ValueError(f"shadow_backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
-    if key_columns is not None:
-        mask = visibility(evict_layer, kwargs["shadow_query_columns"], key_columns[module.layer_idx])  # [B, Hkv, q, S]
-        out = sdpa_per_kv_head(query, key, value, mask, scaling)
-    elif backend == "flex" or (backend == "auto" and query.is_cuda):
-        out = _flex(query, key, value, evict_layer, scaling)
-    else:
-        out = _replay(query, key, value, evict_layer, int(kwargs.get("shadow_prompt_length", 0)), scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kwargs):
-    """Mask function of `SHADOW`: hand the 2-D padding mask [B, T] through; the per-layer mask is built from
-    `evict_at` inside the attention (without this, transformers would pass None and build nothing)."""
-    return attention_mask
-
-
-AttentionInterface.register(SHADOW, shadow_attention)
-AttentionMaskInterface.register(SHADOW, _padding_mask)
-
-
-@contextmanager
-def attention_implementation(model, name: str):
-    """Run `model` with the registered attention implementation `name`, then restore the previous one."""
-    previous = model.config._attn_implementation
-    model.config._attn_implementation = name
-    try:
-        yield model
-    finally:
-        model.config._attn_implementation = previous
-
-
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
     """Real-token positions with left padding: cumsum - 1, padding at 0. [B, T] long."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
@@ -156,7 +61,8 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
 
 def check_evict_at(evict_at, input_ids, attention_mask, prompt_length: int) -> None:
     """Reject a shadow mask that does not fit the batch or breaks the encoding's invariants: a real key
-    is seen by its own query (`evict_at[j] > j`) and nothing is evicted before the prompt ends."""
+    is seen by its own query (`evict_at[j] > j`), nothing is evicted before the prompt ends, and padding
+    keys hold 0."""
     if evict_at.dim() != 4 or evict_at.shape[0] != input_ids.shape[0] or evict_at.shape[-1] != input_ids.shape[1]:
         raise ValueError(f"evict_at {tuple(evict_at.shape)} does not match input_ids {tuple(input_ids.shape)} as [B, L, Hkv, T]")
     columns = torch.arange(input_ids.shape[1], device=evict_at.device)
@@ -164,30 +70,99 @@ def check_evict_at(evict_at, input_ids, attention_mask, prompt_length: int) -> N
     floor = columns.clamp(min=prompt_length - 1)  # a real key lives at least until P (prefill) or its own query
     if bool((real & (evict_at <= floor)).any()):
         raise ValueError("evict_at hides a real key from its own query or before the prompt ends (values must exceed max(j, P - 1))")
+    if bool((~real & (evict_at != 0)).any()):
+        raise ValueError("evict_at must hold 0 on padding columns (padding keys are never visible)")
 
 
-def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
-    """Logits predicting the R response tokens (positions P-1 .. T-2): [B, R, V].
+@dataclass
+class Replay:
+    """What a forward needs to replay a rollout's shadow mask; passed to the model as `shadow=`.
 
-    Dense when `evict_at` is None; otherwise the shadow replay of the rollout's evictions. Only R + 1
-    positions' logits are materialised (`logits_to_keep`). Works with or without autograd."""
-    response_width = input_ids.shape[1] - prompt_length
-    if response_width < 1:
-        raise ValueError(f"no response columns: input width {input_ids.shape[1]}, prompt_length {prompt_length}")
-    position_ids = position_ids_from_mask(attention_mask)
-    common = dict(position_ids=position_ids, use_cache=False, logits_to_keep=response_width + 1)
-    if evict_at is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, **common).logits
-    else:
-        check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
-        with attention_implementation(model, SHADOW):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, shadow_evict_at=evict_at, shadow_prompt_length=prompt_length,
-                           shadow_backend=backend, **common).logits
-    return logits[:, :-1]  # [B, R, V]
+    evict_at [B, L, Hkv, T]; prompt_length P (prompt rows share plain causal attention); backend "sdpa" or
+    "flex"; block_mask: the flex `BlockMask` of the whole forward; key_columns / query_columns: for the
+    physical learner's chunks, the original columns of the cached keys (a list per layer of [B, Hkv, S])
+    and of the queries [q]."""
+
+    evict_at: torch.Tensor
+    prompt_length: int = 0
+    backend: str = "sdpa"
+    block_mask: Any = None
+    left_pad: torch.Tensor | None = None  # [B] padding columns before each prompt
+    key_columns: list[torch.Tensor] | None = None
+    query_columns: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto") -> "Replay":
+        """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and builds what the
+        layers share (the flex block mask, the prompt padding) once."""
+        if backend not in ("auto", "sdpa", "flex"):
+            raise ValueError(f"shadow replay backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
+        if backend == "auto":
+            backend = "flex" if evict_at.is_cuda else "sdpa"
+        block_mask = causal_block_mask(evict_at.shape[-1], evict_at.device) if backend == "flex" else None
+        return cls(evict_at, prompt_length, backend, block_mask, kernels.left_padding(attention_mask[:, :prompt_length]))
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / temperature) at `tokens`: [B, R] float32 (temperature 0, greedy, counts as 1)."""
-    scale = 1.0 if temperature == 0 else float(temperature)
-    logp = torch.log_softmax(logits.float() / scale, dim=-1)
-    return logp.gather(-1, tokens.long()[..., None]).squeeze(-1)
+def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:
+    """Attention of layer `layer` under the shadow mask: [B, H, q, D]."""
+    evict_layer = shadow.evict_at[:, layer]  # [B, Hkv, T]
+    if shadow.key_columns is not None:
+        mask = visibility(evict_layer, shadow.query_columns, shadow.key_columns[layer])  # [B, Hkv, q, S]
+        return kernels.grouped(query, key, value, mask, scaling)
+    if shadow.backend == "flex":
+        return _flex(query, key, value, evict_layer, shadow.block_mask, scaling)
+    prompt_length, width = shadow.prompt_length, query.shape[2]
+    pieces = []
+    if prompt_length > 0:
+        pieces.append(kernels.causal(query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
+                                     scaling, shadow.left_pad))
+    if prompt_length < width:
+        columns = torch.arange(prompt_length, width, device=query.device)
+        mask = visibility(evict_layer, columns)  # [B, Hkv, R, T]: one layer's response rows
+        pieces.append(kernels.grouped(query[:, :, prompt_length:], key, value, mask, scaling))
+    return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def causal_block_mask(width: int, device, block: int = FLEX_BLOCK):
+    """A flex `BlockMask` [1, 1] over every causal block of a [width, width] grid, all of them partial.
+
+    Built from the block indices alone (O((T / block)^2) integers, no mask evaluated): the shadow mask only
+    ever hides more than causal attention does, so each layer can reuse it with its own `mask_mod`."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    blocks = -(-width // block)
+    rows = torch.arange(blocks, device=device)
+    kv_num_blocks = (rows + 1).to(torch.int32)[None, None]  # [1, 1, Qb]: key blocks 0..qb
+    kv_indices = torch.arange(blocks, device=device, dtype=torch.int32).expand(blocks, blocks).contiguous()[None, None]
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, seq_lengths=(width, width))
+
+
+def layer_mask_mod(evict_layer: torch.Tensor, groups: int):
+    """flex `mask_mod` of one layer: the encoding's rule, read from evict_layer [B, Hkv, T]."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv_head = h // groups
+        seen = (kv_idx <= q_idx) & (q_idx < evict_layer[b, kv_head, kv_idx]) & (q_idx < evict_layer[b, kv_head, q_idx])
+        return seen | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+_compiled_flex = None
+
+
+def _flex(query, key, value, evict_layer, block_mask, scaling):
+    """flex_attention with the forward's shared BlockMask and this layer's mask_mod (compiled on CUDA)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    groups = query.shape[1] // key.shape[1]
+    layer_mask = copy.copy(block_mask)  # same block indices, this layer's mask_mod
+    layer_mask.mask_mod = layer_mask_mod(evict_layer, groups)
+    if query.is_cuda:
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        return _compiled_flex(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)
+    with warnings.catch_warnings():  # eager CPU flex (forward-only parity checks) warns that it is unfused
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)

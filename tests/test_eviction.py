@@ -28,11 +28,30 @@ class Scored(EvictionPolicy):
 
 def view_of(key_real, kv_heads=2, head_dim=4, heads=4, key=None):
     batch, width = key_real.shape
-    columns = torch.arange(width)
-    mask = ((columns[None] <= columns[:, None]) & key_real[:, None, None, :]) | torch.eye(width, dtype=torch.bool)
     key = torch.randn(batch, kv_heads, width, head_dim) if key is None else key
     query = torch.randn(batch, heads, width, head_dim)
-    return PrefillView(query=query, key=key, mask=mask, key_real=key_real, scaling=head_dim**-0.5, layer_idx=0)
+    return PrefillView(query=query, key=key, key_real=key_real, scaling=head_dim**-0.5, layer_idx=0)
+
+
+def eager_attention(view):
+    """Reference prefill probabilities [B, H, P, P]: K repeated per query head, an explicit causal mask with
+    padding keys hidden and padding queries seeing themselves."""
+    width = view.key.shape[2]
+    columns = torch.arange(width)
+    mask = ((columns[None] <= columns[:, None]) & view.key_real[:, None, None, :]) | torch.eye(width, dtype=torch.bool)
+    key = view.key.repeat_interleave(view.query.shape[1] // view.key.shape[1], dim=1)
+    scores = (view.query @ key.transpose(-1, -2)) * view.scaling
+    return scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+
+
+def test_prefill_attention_matches_an_eager_reference_with_padding():
+    key_real = torch.ones(2, 9, dtype=torch.bool)
+    key_real[1, :4] = False  # left padding
+    view = view_of(key_real)
+    reference = eager_attention(view)
+    torch.testing.assert_close(view.attention(0), reference)
+    torch.testing.assert_close(view.attention(5, 8), reference[:, :, 5:8])
+    torch.testing.assert_close(view.attention_received(chunk=2), reference.sum(dim=2))  # H2O's column sums, in chunks
 
 
 def test_budget_follows_the_design_formula():
@@ -116,7 +135,7 @@ def test_snapkv_votes_come_from_the_observation_window_only():
     key_real = torch.ones(1, 12, dtype=torch.bool)
     view = view_of(key_real)
     policy = SnapKV(compression=0.5, sink=0, window=3, kernel=1)
-    expected = view.attention(0)[:, :, -3:].sum(dim=2).view(1, 2, 2, 12).mean(dim=2)
+    expected = eager_attention(view)[:, :, -3:].sum(dim=2).view(1, 2, 2, 12).mean(dim=2)
     torch.testing.assert_close(policy.prefill_scores(view), expected)
     before = policy.prefill_scores(view)
     view.query[:, :, :9] = torch.randn_like(view.query[:, :, :9])  # queries outside the window do not vote

@@ -12,7 +12,8 @@ from smd_cli import learner
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.learner import Algorithm, TrainingDiverged, learner_step
 from smd_cli.rollout import generate
-from smd_cli.shadow import response_logits, token_logprobs
+from smd_cli.losses import token_logprobs
+from smd_cli.scoring import response_logits
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.0, 0.5, -2.0])  # [N]: 2 prompts x 4 generations
@@ -129,6 +130,7 @@ class GradientCapture:
 
     def __init__(self, params):
         self.params, self.grads = list(params), None
+        self.param_groups = [{"params": self.params}]
 
     def step(self):
         self.grads = [p.grad.detach().clone() for p in self.params]
@@ -156,14 +158,15 @@ def distill_gradients(model, batch, lam, teacher_constant: bool):
 def test_smd_teacher_is_a_constant(tiny_model, tiny_tokenizer, monkeypatch):
     batch = rollout(tiny_model, tiny_tokenizer, SnapKV(compression=0.5))
     teachers = []
-    dense_logits = learner._dense_logits
+    hidden_of = learner._hidden
 
-    def recording(*args, **kwargs):
-        out = dense_logits(*args, **kwargs)
-        teachers.append(out)
+    def recording(model, batch, rows, algo, shadow):
+        out = hidden_of(model, batch, rows, algo, shadow)
+        if not shadow:
+            teachers.append(out)
         return out
 
-    monkeypatch.setattr(learner, "_dense_logits", recording)
+    monkeypatch.setattr(learner, "_hidden", recording)
     capture = GradientCapture(tiny_model.parameters())
     # zero advantages: the GRPO term has no gradient, so what reaches the weights is lambda * KL alone
     learner_step(tiny_model, capture, batch, torch.zeros(8), Algorithm("smd", lam=0.5, max_grad_norm=1e9))

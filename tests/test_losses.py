@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from smd_cli.losses import aggregate, clipped_surrogate, distill_kl, entropy, group_advantages, k3_kl, sparse_rl_weights, tis_weights
+from smd_cli.losses import aggregate, clipped_surrogate, group_advantages, k3_kl, sparse_rl_weights, tis_weights
 
 
 def test_group_advantages_by_hand():
@@ -83,19 +83,3 @@ def test_tis_weights_by_hand():
     weights, stats = tis_weights(torch.log(torch.tensor([[0.5, 3.0]])), torch.zeros(1, 2), torch.ones(1, 2), cap=2.0)
     assert weights.flatten().tolist() == pytest.approx([0.5, 2.0])
     assert stats["is/truncated_token_frac"] == 0.5
-
-
-def test_distill_kl_value_and_stop_gradient():
-    teacher = torch.tensor([[[0.0, math.log(3.0)]]], requires_grad=True)  # probs 0.25, 0.75
-    student = torch.zeros(1, 1, 2, requires_grad=True)  # probs 0.5, 0.5
-    kl = distill_kl(teacher, student)
-    assert kl.item() == pytest.approx(0.25 * math.log(0.5) + 0.75 * math.log(1.5), abs=1e-6)
-    kl.sum().backward()
-    # d KL / d student logits = softmax(student) - p_teacher, with the teacher a constant
-    assert student.grad.flatten().tolist() == pytest.approx([0.5 - 0.25, 0.5 - 0.75], abs=1e-6)
-    assert teacher.grad is None
-
-
-def test_entropy_by_hand():
-    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))
-    assert entropy(logits).item() == pytest.approx(-(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)))

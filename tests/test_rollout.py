@@ -18,7 +18,9 @@ from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.models import build_tiny_model
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import generate
-from smd_cli.shadow import decode_visibility, response_logits, token_logprobs
+from smd_cli.losses import token_logprobs
+from smd_cli.scoring import response_logits
+from smd_cli.shadow import decode_visibility
 
 BOUND = 1e-5
 R = 10

@@ -10,7 +10,10 @@ from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.models import build_tiny_model
 from smd_cli.rollout import generate
-from smd_cli.shadow import attention_implementation, decode_visibility, response_logits, token_logprobs, visibility
+from smd_cli.attention import use_smd_attention
+from smd_cli.losses import token_logprobs
+from smd_cli.scoring import response_logits
+from smd_cli.shadow import decode_visibility, visibility
 
 REFERENCE = "test_explicit_mask"
 
@@ -79,8 +82,11 @@ def test_replay_gradients_match_an_explicit_mask_reference(model, batch):
 
     def reference():
         position_ids = (batch.attention_mask.cumsum(-1) - 1).clamp(min=0)
-        with attention_implementation(model, REFERENCE):
+        model.config._attn_implementation = REFERENCE
+        try:
             out = model(input_ids=batch.input_ids, position_ids=position_ids, explicit_masks=masks, logits_to_keep=width - prompt_length + 1)
+        finally:
+            use_smd_attention(model)
         return out.logits[:, :-1]
 
     shadow = _grads(model, loss, lambda: response_logits(model, batch.input_ids, batch.attention_mask, prompt_length, batch.evict_at))
@@ -102,7 +108,7 @@ def test_flex_backend_forward_matches_sdpa_on_cpu(model, batch):
 def test_replay_needs_a_matching_mask(model, batch):
     with pytest.raises(ValueError, match="evict_at"):
         response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at[..., :-1])
-    with pytest.raises(ValueError, match="shadow_backend"):
+    with pytest.raises(ValueError, match="backend must be"):
         response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at, backend="cuda")
 
 
@@ -119,15 +125,6 @@ def test_token_logprobs_temperature():
     expected = torch.log_softmax(logits / 0.5, -1)[0, 0, 0]
     assert torch.isclose(token_logprobs(logits, tokens, 0.5)[0, 0], expected)
     assert torch.equal(token_logprobs(logits, tokens, 0.0), token_logprobs(logits, tokens, 1.0))
-
-
-def test_attention_implementation_is_restored(model):
-    before = model.config._attn_implementation
-    with pytest.raises(RuntimeError):
-        with attention_implementation(model, "smd_shadow"):
-            assert model.config._attn_implementation == "smd_shadow"
-            raise RuntimeError("boom")
-    assert model.config._attn_implementation == before
 
 
 def test_snapkv_rollout_keeps_full_prompt_for_the_first_token(model, batch, tiny_tokenizer):

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 
 import torch
 
+from smd_cli import kernels
+
 
 @dataclass
 class PrefillView:
-    """One layer's attention at prefill, as a policy may inspect it (scores are computed on demand)."""
+    """One layer's attention at prefill, as a policy may inspect it (scores are computed on demand, for
+    the rows asked for, in the compute dtype and without expanding K to the query heads)."""
 
     query: torch.Tensor  # [B, H, P, D], RoPE applied
     key: torch.Tensor  # [B, Hkv, P, D], RoPE applied
-    mask: torch.Tensor  # [B, 1, P, P] bool: causal, padding keys hidden, padding queries see themselves
     key_real: torch.Tensor  # [B, P] bool: real (non-padding) prompt tokens
     scaling: float
     layer_idx: int
@@ -32,18 +34,25 @@ class PrefillView:
     def groups(self) -> int:
         return self.query.shape[1] // self.key.shape[1]
 
-    def attention(self, start: int, stop: int | None = None) -> torch.Tensor:
-        """Attention probabilities of query rows [start, stop) over the whole prompt: [B, H, q, P]."""
-        query = self.query[:, :, start:stop].float()
-        key = self.key.float().repeat_interleave(self.groups, dim=1)  # [B, H, P, D]
-        logits = query @ key.transpose(-1, -2) * self.scaling  # [B, H, q, P]
-        logits = logits.masked_fill(~self.mask[:, :, start:stop], float("-inf"))
-        return logits.softmax(dim=-1)
+    def mask(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Prefill visibility of query rows [start, stop): causal, padding keys hidden, a padding query sees
+        itself. [B, 1, q, P] bool."""
+        width = self.key.shape[2]
+        rows = torch.arange(width, device=self.key.device)[start:stop, None]  # [q, 1]
+        columns = torch.arange(width, device=self.key.device)
+        return ((columns <= rows) & self.key_real[:, None, None, :]) | (columns == rows)
 
-    def attention_received(self, chunk: int = 256) -> torch.Tensor:
-        """Attention each key receives, summed over all query rows, computed `chunk` rows at a time: [B, H, P]."""
-        prompt_width = self.query.shape[2]
-        total = torch.zeros(self.query.shape[:2] + (prompt_width,), device=self.query.device)
+    def attention(self, start: int, stop: int | None = None) -> torch.Tensor:
+        """Attention probabilities of query rows [start, stop) over the whole prompt: [B, H, q, P] float32."""
+        return kernels.grouped_probs(self.query[:, :, start:stop], self.key, self.mask(start, stop), self.scaling)
+
+    def attention_received(self, chunk: int | None = None) -> torch.Tensor:
+        """Attention each key receives, summed over all query rows, `chunk` rows at a time: [B, H, P].
+
+        By default a chunk holds about 2^26 probabilities (256 MiB in float32), whatever the batch."""
+        batch, heads, prompt_width = self.query.shape[:3]
+        chunk = chunk or max(1, (1 << 26) // (batch * heads * prompt_width))
+        total = torch.zeros(batch, heads, prompt_width, device=self.query.device)
         for start in range(0, prompt_width, chunk):
             total += self.attention(start, start + chunk).sum(dim=2)
         return total

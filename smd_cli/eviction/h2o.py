@@ -17,11 +17,11 @@ class H2O(EvictionPolicy):
 
     decode_time = True
 
-    def __init__(self, compression: float = 0.5, sink: int = 0, window: int = 16, chunk: int = 256):
+    def __init__(self, compression: float = 0.5, sink: int = 0, window: int = 16, chunk: int | None = None):
         super().__init__(compression, sink, window)
-        if chunk < 1:
-            raise ValueError(f"chunk (prefill query rows scored at a time) must be >= 1, got {chunk}")
-        self.chunk = int(chunk)
+        if chunk is not None and chunk < 1:
+            raise ValueError(f"chunk (prefill query rows scored at a time) must be null (auto) or >= 1, got {chunk}")
+        self.chunk = chunk
 
     def prefill_scores(self, view: PrefillView) -> torch.Tensor:
         received = view.attention_received(self.chunk)  # [B, H, P]

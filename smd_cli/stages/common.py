@@ -21,10 +21,12 @@ from rich.console import Console
 from rich.table import Table
 
 from smd_cli import models
+from smd_cli.attention import use_smd_attention
 from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
 from smd_cli.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
+DTYPES = ("float32", "bfloat16", "float16")
 console = Console()
 
 
@@ -130,36 +132,54 @@ def load_tokenizer(cfg: DictConfig):
         raise ConfigError(f"{key}={source!r}: could not load its tokenizer ({err})") from err
 
 
-def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):
-    """(model, tokenizer) for `cfg.model`: a Hub checkpoint, its architecture with random weights, or the
-    tiny model (warm-started on a generated `task`, cached under `cfg.cache_dir` so it is trained once)."""
+def compute_dtype(cfg: DictConfig, device: torch.device) -> str:
+    """The model's compute dtype on `device`: `model.dtype`, or on the CPU `model.cpu_dtype` when set."""
     m = cfg.model
+    for key in ("dtype", "cpu_dtype"):
+        value = m.get(key)
+        check(value in DTYPES or (key == "cpu_dtype" and value is None), f"model.{key}", value,
+              f"one of {', '.join(DTYPES)}" + (" or null (= model.dtype)" if key == "cpu_dtype" else ""))
+    return m.cpu_dtype if device.type == "cpu" and m.get("cpu_dtype") else m.dtype
+
+
+def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):
+    """(model, tokenizer) for `cfg.model`, in eval mode on `device`: a Hub checkpoint, an architecture with
+    random weights (`name_or_path: null` builds it from `model.config` alone, offline: the tiny model, or
+    Qwen3-4B's widths for `model=qwen3_4b_random`), the tiny one warm-started on a generated `task` (cached
+    under `cfg.cache_dir`). Every model gets the smd attention, its compute dtype (`compute_dtype`), and
+    gradient checkpointing when `model.gradient_checkpointing` is set."""
+    m = cfg.model
+    name = compute_dtype(cfg, device)
     tokenizer = load_tokenizer(cfg)
-    attn = m.attn_implementation
-    if device.type == "cpu" and attn == "flex_attention":
-        attn = "sdpa"  # flex attention has no CPU backward (torch 2.13/2.14); the shadow replay picks its own backend
+    dtype = getattr(torch, name)
     if m.name_or_path is None:
-        model = models.build_tiny_model(len(tokenizer), seed=cfg.seed, dtype=getattr(torch, m.dtype),
-                                        **{"attn_implementation": attn, **dict(m.config or {})})
+        fields = {"vocab_size": len(tokenizer), **dict(m.config or {})}  # an architecture's own vocabulary wins
+        model = models.build_tiny_model(fields.pop("vocab_size"), seed=cfg.seed, dtype=dtype, device=device, **fields)
         # The warm start is for the generated tasks; the tiny model is a smoke test on the paper's datasets.
         if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
-        model = models.load_hub_model(
-            m.name_or_path, m.dtype, attn, m.trust_remote_code, m.random_init, dict(m.config or {})
-        )
-        if m.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
+        try:
+            model = models.load_hub_model(m.name_or_path, name, m.trust_remote_code, m.random_init, dict(m.config or {}))
+        except OSError as err:
+            raise ConfigError(f"model.name_or_path={m.name_or_path!r}: could not load it ({err})") from err
+    if len(tokenizer) > model.config.vocab_size:
+        raise ConfigError(f"model={m.name}: its vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
+                          f"{len(tokenizer)} ids; set model.config.vocab_size or model.tokenizer")
+    if m.gradient_checkpointing:
+        models.enable_checkpointing(model)
     return model.to(device).eval(), tokenizer
 
 
 def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     """The tiny model after the supervised warm start on `task`, trained once and cached by config hash."""
-    key = json.dumps({"model": to_dict(cfg.model), "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
+    # Keyed by what decides the weights (not by kernels or checkpointing, which change no number).
+    weights = {k: v for k, v in to_dict(cfg.model).items() if k in ("config", "dtype", "warmstart", "tokenizer")}
+    key = json.dumps({"model": weights, "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (path / "model.safetensors").is_file():
         console.print(f"warm start: reusing {path}", soft_wrap=True)
-        return Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True)
+        return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
     ws = cfg.model.warmstart
     if ws.get("task"):  # e.g. shorter prompts for the warm start than for RL: {prompt_tokens: 64}
         try:

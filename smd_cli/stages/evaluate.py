@@ -21,7 +21,8 @@ from smd_cli import models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
+from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, compute_dtype, console, load_examples, load_model,
+                                  print_metrics, start_run)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -50,14 +51,11 @@ def checkpoint_dir(path) -> Path:
 def load_checkpoint(cfg: DictConfig, device: torch.device):
     """(model, tokenizer) from `cfg.checkpoint`. The tokenizer is model.tokenizer if set; at the tiny scale
     (model.name_or_path null) the project's own, rebuilt; else the checkpoint's own copy, or model.name_or_path's."""
-    from transformers import AutoModelForCausalLM
-
     m, path = cfg.model, checkpoint_dir(cfg.checkpoint)
     own = path if (path / "tokenizer_config.json").is_file() else None
     source = m.tokenizer or (None if m.name_or_path is None else own or m.name_or_path)
     tokenizer = models.build_tiny_tokenizer() if source is None else models.load_hub_tokenizer(str(source), m.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, dtype=getattr(torch, m.dtype), attn_implementation=m.attn_implementation,
-                                                 trust_remote_code=m.trust_remote_code)
+    model = models.load_hub_model(str(path), compute_dtype(cfg, device), m.trust_remote_code, random_init=False)
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} ids; set model=... (or model.tokenizer=...) to the one it was trained with")

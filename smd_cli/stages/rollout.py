@@ -14,10 +14,10 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.losses import mismatch_stats
+from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
-from smd_cli.shadow import response_logits, token_logprobs
+from smd_cli.scoring import response_hidden, vocab_terms
 from smd_cli.stages.common import build_policy, build_task, check, console, load_model, print_metrics, start_run
 
 
@@ -31,24 +31,26 @@ def validate(cfg: DictConfig) -> None:
 
 
 @torch.no_grad()
-def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool = True) -> dict[str, float]:
+def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool = True, backend: str = "auto") -> dict[str, float]:
     """Learner log-probs vs the sampler's, over the generated tokens: shadow, physical and dense."""
     tokens, mask = batch.input_ids[:, batch.prompt_length:], batch.response_mask
     args = (model, batch.input_ids, batch.attention_mask, batch.prompt_length)
 
-    def logp(logits):
-        return token_logprobs(logits, tokens, temperature)[mask]
+    def logp(evict_at=None):
+        hidden = response_hidden(*args, evict_at, backend)
+        return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature)["logp"][mask]
 
     sampler = batch.logprobs[mask]
-    dense = logp(response_logits(*args))
-    shadow = dense if batch.evict_at is None else logp(response_logits(*args, batch.evict_at))
+    dense = logp()
+    shadow = dense if batch.evict_at is None else logp(batch.evict_at)
     report = {
         "parity/max_abs_diff_shadow": float((shadow - sampler).abs().max()),
         "parity/mean_abs_diff_shadow": float((shadow - sampler).abs().mean()),
         **mismatch_stats("mismatch/dense_", dense, sampler, torch.ones_like(dense, dtype=torch.bool)),
     }
     if physical and batch.evict_at is not None:
-        report["parity/max_abs_diff_physical"] = float((logp(physical_response_logits(*args, batch.evict_at)) - sampler).abs().max())
+        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature)[mask]
+        report["parity/max_abs_diff_physical"] = float((physical_logp - sampler).abs().max())
     elif physical:
         report["parity/max_abs_diff_physical"] = report["parity/max_abs_diff_shadow"]
     return report
@@ -89,7 +91,7 @@ def run(cfg: DictConfig) -> dict:
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress)
     texts = response_texts(batch, tokenizer)
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
-    summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical), **batch.stats}
+    summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical, cfg.model.replay), **batch.stats}
     summary.update({"reward/mean": sum(rewards) / len(rewards), "rollout/rows": len(prompts),
                     "rollout/prompt_length": batch.prompt_length, "kv/bytes_ratio": batch.stats["kv/bytes_peak"] / batch.stats["kv/bytes_peak_dense"]})
     save_rollouts(run_.dir, batch, examples, rewards, texts, G)

@@ -29,9 +29,10 @@ from smd_cli.eviction.none import KeepAll
 from smd_cli.io import MetricsLog, write_json
 from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
+from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_model, print_metrics, start_run
+from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
 from smd_cli.stages.train_state import find_resume, last_logged, resume, save, stop_diverged
 
 def validate(cfg: DictConfig) -> None:
@@ -49,6 +50,11 @@ def validate(cfg: DictConfig) -> None:
     check(isinstance(g.num_iterations, int) and g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
     check(g.micro_batch_size is None or g.micro_batch_size >= 1, "grpo.micro_batch_size", g.micro_batch_size, "null or >= 1")
     check(g.max_grad_norm > 0, "grpo.max_grad_norm", g.max_grad_norm, "> 0")
+    check(g.logits_chunk is None or (isinstance(g.logits_chunk, int) and g.logits_chunk >= 1), "grpo.logits_chunk", g.logits_chunk,
+          "null (about 2^23 logits per chunk) or an integer >= 1")
+    check(cfg.model.replay in ("auto", "sdpa", "flex"), "model.replay", cfg.model.replay, "auto, sdpa or flex")
+    if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
+        raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
     check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0")
     check(s.temperature > 0, "sampling.temperature", s.temperature, "> 0 for GRPO sampling (0 is greedy: no exploration)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
@@ -100,6 +106,7 @@ def algorithm(cfg: DictConfig) -> Algorithm:
         num_iterations=g.num_iterations, micro_batch_size=g.micro_batch_size, max_grad_norm=g.max_grad_norm,
         temperature=cfg.sampling.temperature, lam=cfg["lambda"],
         sparse_rl=dict(a.get("sparse_rl") or {"cap": 1.5, "low": 0.5, "high": 1.5, "veto": 1e-4}), tis_cap=a.get("tis_cap", 2.0),
+        replay_backend=cfg.model.replay, logits_chunk=g.logits_chunk,
     )
 
 
@@ -140,12 +147,12 @@ def run(cfg: DictConfig) -> dict:
     run_dir = resume_dir or run_.dir
     task = build_task(cfg)
     policy = rollout_policy(cfg)
+    pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
+    eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     algo = algorithm(cfg)
-    optimizer = instantiate(cfg.optim, params=model.parameters())
+    optimizer = build_optimizer(model, lambda params: instantiate(cfg.optim, params=params))
     ref_model = copy.deepcopy(model).eval() if algo.beta > 0 else None  # the initial policy, also on resume
-    pool = None if hasattr(task, "example") else task.examples(task.train_split)
-    eval_examples = task.examples(task.test_split, limit=cfg.eval.num_prompts)
     G = cfg.grpo.num_generations
 
     if resume_dir is None:

@@ -1,0 +1,108 @@
+"""Scoring responses: the learner's forward (dense or replaying a shadow mask), then the vocabulary, in chunks.
+
+`response_hidden` runs the model's backbone over prompt + response and returns the final hidden states at
+the R positions that predict the response tokens (columns P-1 .. T-2): [B, R, Hd]. No logits exist yet.
+
+`vocab_terms` projects those states through the LM head a chunk of tokens at a time (float32 inside the
+chunk) and reduces each chunk at once to what the learner needs per token: the log-prob of the sampled
+token, the entropy (a diagnostic) and, given the dense teacher's hidden states, the full-vocabulary
+KL(teacher || student) of SMD. Under autograd every chunk is checkpointed: backward recomputes the chunk's
+logits instead of keeping them, so the memory spent over the vocabulary is one chunk's (`chunk_tokens`),
+whatever the batch, the response length or the vocabulary. Only real response tokens are scored.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from smd_cli.attention import use_smd_attention
+from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
+
+CHUNK_LOGITS = 1 << 23  # logits per vocabulary chunk by default: 32 MiB in float32
+
+
+def chunk_tokens(vocab_size: int, chunk: int | None = None) -> int:
+    """Tokens per vocabulary chunk: `chunk`, or as many as fit `CHUNK_LOGITS` logits."""
+    return int(chunk) if chunk else max(1, CHUNK_LOGITS // vocab_size)
+
+
+def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
+    """Final hidden states at the positions predicting the R response tokens (P-1 .. T-2): [B, R, Hd].
+
+    Dense when `evict_at` is None; otherwise the shadow replay of the rollout's evictions (DESIGN.md
+    section 2), which gradient checkpointing's recompute replays too. Works with or without autograd."""
+    response_width = input_ids.shape[1] - prompt_length
+    if response_width < 1:
+        raise ValueError(f"no response columns: input width {input_ids.shape[1]}, prompt_length {prompt_length}")
+    use_smd_attention(model)
+    extra = {}
+    if evict_at is not None:
+        check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
+        extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend)
+    out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+                           use_cache=False, **extra)
+    return out.last_hidden_state[:, prompt_length - 1 : -1]  # [B, R, Hd]
+
+
+def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
+    """Logits predicting the R response tokens, [B, R, V] (tests and small models; the learner uses
+    `vocab_terms`, which never holds them all)."""
+    return model.get_output_embeddings()(response_hidden(model, input_ids, attention_mask, prompt_length, evict_at, backend))
+
+
+def _terms(head, hidden, tokens, scale: float, teacher):
+    """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None -> (log-prob [c], entropy [c],
+    KL(teacher || student) [c] or None, teacher log-prob [c] or None)."""
+    logits = head(hidden).float()  # [c, V]
+    if scale != 1.0:
+        logits = logits / scale
+    log_z = torch.logsumexp(logits, dim=-1)  # [c]
+    logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_z
+    with torch.no_grad():
+        probs = torch.softmax(logits, dim=-1)
+        entropy = log_z - (probs[:, None, :] @ logits.detach()[:, :, None]).view(-1)  # sum_v p log(1/p)
+        del probs
+    if teacher is None:
+        return logp, entropy, None, None
+    with torch.no_grad():  # the teacher is a constant (stop-gradient)
+        log_t = head(teacher).float()
+        if scale != 1.0:
+            log_t = log_t / scale
+        log_t -= torch.logsumexp(log_t, dim=-1, keepdim=True)  # [c, V] teacher log-probs
+        teacher_logp = log_t.gather(-1, tokens[:, None]).squeeze(-1)
+        p_t = log_t.exp()
+        neg_entropy_t = (p_t[:, None, :] @ log_t[:, :, None]).view(-1)
+        del log_t
+    # KL(t || s) = sum_v p_t log p_t - sum_v p_t (logits_v - log_z)
+    kl = neg_entropy_t - (p_t[:, None, :] @ logits[:, :, None]).view(-1) + log_z
+    return logp, entropy, kl, teacher_logp
+
+
+def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=None, chunk: int | None = None) -> dict[str, torch.Tensor]:
+    """Per-token terms of the response, [B, R] each, 0 where `mask` [B, R] is False:
+    `logp` (differentiable when `hidden` is), `entropy` (detached), and with `teacher` [B, R, Hd] (the dense
+    forward's hidden states, held constant) `kl` = KL(teacher || student) over the full vocabulary
+    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1."""
+    scale = 1.0 if temperature == 0 else float(temperature)
+    rows = mask.reshape(-1).nonzero().squeeze(-1)  # real response tokens, flattened
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [n, Hd]
+    flat_teacher = None if teacher is None else teacher.reshape(-1, teacher.shape[-1])[rows]
+    flat_tokens = tokens.reshape(-1)[rows].long()
+    step = chunk_tokens(head.weight.shape[0], chunk)
+    checkpointed = torch.is_grad_enabled() and hidden.requires_grad
+    pieces = []
+    for start in range(0, rows.numel(), step):
+        args = (head, flat_hidden[start : start + step], flat_tokens[start : start + step], scale,
+                None if flat_teacher is None else flat_teacher[start : start + step])
+        pieces.append(checkpoint(_terms, *args, use_reentrant=False) if checkpointed else _terms(*args))
+    names = ("logp", "entropy", "kl", "teacher_logp")
+    out = {}
+    for k, name in enumerate(names):
+        if teacher is None and name in ("kl", "teacher_logp"):
+            continue
+        values = torch.cat([p[k] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+        full = torch.zeros(mask.numel(), dtype=torch.float32, device=hidden.device)
+        full = full.index_put((rows,), values)  # out of place: keeps the graph to `values`
+        out[name] = full.view(mask.shape) if name in ("logp", "kl") else full.view(mask.shape).detach()
+    return out
