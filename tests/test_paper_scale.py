@@ -1,0 +1,89 @@
+"""The paper-scale path through the user's entry points: both 4B model configs through `load_model` (the
+random one at the paper's widths with one layer, the Hub one from a local save_pretrained directory,
+offline), gradient checkpointing honoured by every model, and `smd rollout` / `smd train` / `smd eval` on
+`model=qwen3_4b_random`."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from smd_cli.attention import ATTENTION
+from smd_cli.cli import CONF_DIR, main, register_recipes
+from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+from smd_cli.stages import train
+from smd_cli.stages.common import build_task, load_model
+
+ONE_LAYER = ["model=qwen3_4b_random", "model.config.num_hidden_layers=1", "progress=false"]
+SHORT = ["task.prompt_tokens=64", "sampling.max_new_tokens=3"]
+
+
+def compose_stage(tmp_path, stage, *overrides):
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name=stage, overrides=[*overrides, f"+run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
+
+
+def checkpointed_layers(model) -> list[bool]:
+    return [layer.gradient_checkpointing for layer in model.model.layers]
+
+
+def test_qwen3_4b_random_loads_at_the_papers_widths(tmp_path):
+    cfg = compose_stage(tmp_path, "train", *ONE_LAYER)
+    model, tokenizer = load_model(cfg, build_task(cfg), torch.device("cpu"))
+    c = model.config
+    assert (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (2560, 9728, 32, 8, 128)
+    assert (c.vocab_size, c.num_hidden_layers, c.tie_word_embeddings) == (151936, 1, True)
+    attention = 2560 * 32 * 128 + 2 * 2560 * 8 * 128 + 32 * 128 * 2560 + 2 * 128  # q, k, v, o, q/k norms
+    layer = attention + 3 * 2560 * 9728 + 2 * 2560  # + gate, up, down, two RMS norms
+    assert sum(p.numel() for p in model.parameters()) == 151936 * 2560 + layer + 2560  # tied embedding, final norm
+    assert checkpointed_layers(model) == [True]
+    assert c._attn_implementation == ATTENTION
+    assert next(model.parameters()).dtype == torch.float32  # model.cpu_dtype: bf16 matmuls are emulated on this CPU
+    assert len(tokenizer) <= c.vocab_size
+
+
+def test_the_hub_config_loads_a_local_checkpoint_offline(tmp_path):
+    """model=qwen3_4b goes through from_pretrained; a save_pretrained directory stands in for the Hub."""
+    tokenizer = build_tiny_tokenizer()
+    saved = build_tiny_model(len(tokenizer), seed=3)
+    saved.save_pretrained(tmp_path / "ckpt")
+    tokenizer.save_pretrained(tmp_path / "ckpt")
+    cfg = compose_stage(tmp_path, "eval", "model=qwen3_4b", f"model.name_or_path={tmp_path / 'ckpt'}", "model.cpu_dtype=null")
+    model, _ = load_model(cfg, build_task(cfg), torch.device("cpu"))
+    assert next(model.parameters()).dtype == torch.bfloat16  # model.dtype, as configured
+    assert checkpointed_layers(model) == [True, True]
+    assert model.config._attn_implementation == ATTENTION
+    torch.testing.assert_close(model.model.norm.weight.float(), saved.model.norm.weight)
+
+
+@pytest.mark.parametrize("flag, expected", [("true", [True, True]), ("false", [False, False])])
+def test_gradient_checkpointing_is_honoured_by_the_tiny_model(tmp_path, flag, expected):
+    cfg = compose_stage(tmp_path, "train", f"model.gradient_checkpointing={flag}", "model.warmstart.steps=0")
+    model, _ = load_model(cfg, build_task(cfg), torch.device("cpu"))
+    assert checkpointed_layers(model) == expected
+
+
+@pytest.mark.slow
+def test_smd_rollout_on_the_random_4b_architecture(tmp_path):
+    run_dir = tmp_path / "rollout"
+    main(["rollout", *ONE_LAYER, *SHORT, "num_prompts=1", "num_generations=2", f"hydra.run.dir={run_dir}"])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["parity/max_abs_diff_shadow"] <= 1e-4  # float32 on the CPU, 32/8 heads, vocabulary 151936
+    assert summary["parity/max_abs_diff_physical"] <= 1e-4
+    assert summary["kv/kept_fraction"] < 0.8
+
+
+@pytest.mark.slow
+def test_smd_train_and_eval_on_the_random_4b_architecture(tmp_path):
+    cfg = compose_stage(tmp_path, "train", *ONE_LAYER, *SHORT, "algo=smd", "steps=1", "grpo.prompts_per_step=1",
+                        "grpo.num_generations=2", "eval.num_prompts=0", "checkpoint.every=0")
+    summary = train.run(cfg)
+    assert summary["status"] == "completed"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["mismatch/max_abs_diff"] <= 1e-4 and rows[0]["grad_norm"] > 0
+    run_dir = tmp_path / "eval"
+    main(["eval", *ONE_LAYER, "task.prompt_tokens=64", "eval.limit=2", f"checkpoint={tmp_path / 'run' / 'final'}", f"hydra.run.dir={run_dir}",
+          "eval.max_new_tokens=3"])
+    assert json.loads((run_dir / "summary.json").read_text())["n"] == 2
