@@ -24,6 +24,7 @@ STAGES = {
     "train": ("train", "train", "GRPO training: dense, naive_sparse, sparse_rl, tis or smd"),
     "eval": ("evaluate", "eval", "evaluate a checkpoint or base model on a task's test split"),
     "ablate": ("ablate", "ablate", "sweep train+eval over values, then one table and one plot"),
+    "plan": ("plan", "plan", "predict each phase's peak memory of a train config; what fits a GPU"),
 }
 
 

@@ -121,7 +121,9 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
         return {**metrics, "learner/skipped_empty_batch": 1.0}
 
-    optimizer.zero_grad(set_to_none=True)  # gradients left by earlier code (e.g. the warm start) must not leak in
+    # Gradients left by earlier code (e.g. the warm start) must not leak in. They are zeroed, not freed: kept
+    # from one step to the next, backward adds into them in place (no second copy of the largest tensor).
+    optimizer.zero_grad(set_to_none=False)
     model.train()
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0
@@ -163,7 +165,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"non-finite gradient norm {float(grad_norm)} at iteration {iteration}")
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=False)
     model.eval()
 
     metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))

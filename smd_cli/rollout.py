@@ -191,31 +191,45 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     """One batch from rollouts generated in chunks: prompts re-padded on the left to the widest P, responses
     on the right to the longest R, and shadow masks moved to the new columns (a left shift `d` adds `d` to
     every column and every eviction time; the never-evicted sentinel becomes the new width; padding stays 0).
-    Peak statistics take the maximum over chunks, the others the mean weighted by rows."""
+    Peak statistics take the maximum over chunks, the others the mean weighted by rows.
+
+    Consumes `batches` (emptied as it goes): each chunk is written into preallocated outputs and released,
+    so the shadow masks never exist twice over (their bytes: N x L x Hkv x T x 4)."""
     if len(batches) == 1:
-        return batches[0]
+        return batches.pop()
     if len({b.evict_at is None for b in batches}) > 1:
         raise ValueError("cannot concatenate dense and evicting rollouts")
     P = max(b.prompt_length for b in batches)
     R = max(b.logprobs.shape[1] for b in batches)
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in ("ids", "attn", "resp", "logp", "evict")}
-    for b in batches:
-        shift, right, width = P - b.prompt_length, R - b.logprobs.shape[1], b.input_ids.shape[1]
-        parts["ids"].append(F.pad(b.input_ids, (shift, right), value=pad_token_id))
-        parts["attn"].append(F.pad(b.attention_mask, (shift, right), value=0))
-        parts["resp"].append(F.pad(b.response_mask, (0, right), value=False))
-        parts["logp"].append(F.pad(b.logprobs, (0, right), value=0.0))
-        if b.evict_at is not None:
-            moved = torch.where(b.evict_at >= width, P + R, b.evict_at + shift)
-            moved = torch.where(b.evict_at == 0, 0, moved).to(b.evict_at.dtype)  # padding keys stay hidden
-            parts["evict"].append(F.pad(moved, (shift, right), value=0))
-    rows = torch.tensor([b.input_ids.shape[0] for b in batches], dtype=torch.float64)
+    rows = [b.input_ids.shape[0] for b in batches]
     stats = {}
+    weights = torch.tensor(rows, dtype=torch.float64)
     for key in batches[0].stats:
         values = torch.tensor([b.stats.get(key, float("nan")) for b in batches], dtype=torch.float64)
-        stats[key] = float(values.max() if "peak" in key else (values * rows).sum() / rows.sum())
-    return RolloutBatch(torch.cat(parts["ids"]), torch.cat(parts["attn"]), P, torch.cat(parts["resp"]), torch.cat(parts["logp"]),
-                        torch.cat(parts["evict"]) if parts["evict"] else None, stats)
+        stats[key] = float(values.max() if "peak" in key else (values * weights).sum() / weights.sum())
+    first = batches[0]
+    total, width = sum(rows), P + R
+    input_ids = first.input_ids.new_full((total, width), pad_token_id)
+    attention_mask = first.attention_mask.new_zeros(total, width)
+    response_mask = first.response_mask.new_zeros(total, R)
+    logprobs = first.logprobs.new_zeros(total, R)
+    evict_at = None if first.evict_at is None else first.evict_at.new_zeros((total,) + first.evict_at.shape[1:3] + (width,))
+    start = 0
+    while batches:
+        b = batches.pop(0)
+        n, shift, r = b.input_ids.shape[0], P - b.prompt_length, b.logprobs.shape[1]
+        rows_ = slice(start, start + n)
+        columns = slice(shift, shift + b.input_ids.shape[1])
+        input_ids[rows_, columns], attention_mask[rows_, columns] = b.input_ids, b.attention_mask
+        response_mask[rows_, :r], logprobs[rows_, :r] = b.response_mask, b.logprobs
+        if evict_at is not None:
+            old_width = b.input_ids.shape[1]
+            moved = evict_at[rows_, ..., columns]
+            moved.copy_(b.evict_at).add_(shift)
+            moved.masked_fill_(b.evict_at >= old_width, width).masked_fill_(b.evict_at == 0, 0)  # sentinel; padding stays hidden
+        start += n
+        del b
+    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats)
 
 
 @torch.no_grad()

@@ -57,10 +57,10 @@ class RolloutState:
     def finish(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The shadow mask [N, L, Hkv, T] for the final width T: padding 0, never evicted T."""
         width = attention_mask.shape[1]
-        evict_at = self.evict_at[..., :width].clamp(max=width)
-        evict_at = evict_at.masked_fill(~attention_mask.bool()[:, None, None, :], 0)
+        evict_at = self.evict_at[..., :width].clamp(max=width)  # one copy, contiguous
+        evict_at.masked_fill_(~attention_mask.bool()[:, None, None, :], 0)
         visibility = None if self.visibility is None else self.visibility[..., :width, :width]
-        return evict_at.contiguous(), visibility
+        return evict_at, visibility
 
 
 def _prefill(layer: int, query, key, value, scaling, state: RolloutState):

@@ -200,7 +200,7 @@ def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, na
                  generator=torch.Generator().manual_seed(3), eos_token_id=2, pad_token_id=0)
         for part, n in ((prompts[:2], 6), (prompts[2:], R))
     ]
-    batch = concat_rollouts(chunks, pad_token_id=0)
+    batch = concat_rollouts(list(chunks), pad_token_id=0)  # it consumes the list it is given
     assert batch.prompt_length == max(c.prompt_length for c in chunks) and batch.logprobs.shape[1] == R
     assert batch.input_ids.shape[0] == len(prompts) and int(batch.evict_at.max()) == batch.input_ids.shape[1]
     replay = response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)

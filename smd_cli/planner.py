@@ -1,0 +1,207 @@
+"""The memory planner: each phase's peak predicted from the shapes of a run, before anything is allocated.
+
+Three phases, each a sum of named terms (bytes), mirroring what the code allocates:
+
+- static, held for the whole run: the weights in the compute dtype, the float32 master weights and
+  their gradients (`smd_cli.precision`; a float32 model keeps its own gradients instead), the optimizer's
+  state, and the frozen reference policy when `beta > 0`.
+- rollout, one chunk of `sampling.batch_size` rows at a time: the evicting KV cache (allocated once at its
+  final capacity) with its per-slot bookkeeping, the shadow mask `evict_at` being recorded, the
+  activations of one layer's prefill (no gradient: the MLP's three [rows, P, I] tensors dominate), the
+  policy's scores (SnapKV's observation window) and the sampling logits; plus the shadow masks of the
+  chunks already decoded.
+- learner, one micro-batch at a time, above what it holds before it starts (static memory and the
+  step's rollouts): the checkpointed layer inputs, one layer recomputed with its gradients, the
+  attention (flex on CUDA needs no mask; SDPA on the CPU takes the response rows' mask as float), the
+  vocabulary chunk (`smd_cli.scoring`) and the LM head's weight gradients that autograd sums across chunks
+  and with the tied embedding, and SMD's teacher hidden states. Its peak is the largest of three moments:
+  the no-grad forward (pi_old or the teacher), the vocabulary's backward, a layer's backward.
+
+The per-token coefficients of the layer terms count the tensors of transformers' Qwen3 layer that are alive
+at once (read off the profiler's live allocations of `bench/plan_check.py`); `tests/test_planner.py` and
+`bench/plan_check.py` hold every phase to within 15 % of the measured live tensor bytes at several sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shapes of a decoder-only transformer (Qwen3's layer)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = True
+
+    @property
+    def params(self) -> int:
+        attention = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2 + 2 * self.head_dim
+        layer = attention + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * layer + embeddings + self.hidden
+
+    @property
+    def largest(self) -> int:
+        """Elements of the largest weight (the embedding / LM head)."""
+        return self.vocab * self.hidden
+
+    def layer_tokens(self, bytes_: int, hidden: float, intermediate: float, query: float, kv: float) -> float:
+        """Bytes per token of a set of [tokens, width] tensors of one layer."""
+        return bytes_ * (hidden * self.hidden + intermediate * self.intermediate
+                         + query * self.heads * self.head_dim + kv * self.kv_heads * self.head_dim)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a training step does, in the planner's terms (`smd plan` fills it from the config)."""
+
+    arch: Arch
+    compute_bytes: int  # 4 (float32) or 2 (bfloat16 / float16)
+    device: str  # "cuda" or "cpu": which attention kernels run
+    algo: str  # dense | naive_sparse | sparse_rl | tis | smd
+    rows: int  # N: prompts_per_step x G
+    micro_batch: int  # n: rows per learner forward/backward
+    rollout_rows: int  # rows decoded at once
+    prompt: int  # P: padded prompt width
+    response: int  # R: max new tokens
+    kept: int  # prompt entries kept per (row, layer, KV head); P without eviction
+    cache_growth: int  # slots beyond `kept` (R - 1 for prefill-time policies)
+    score_rows: int = 0  # prompt query rows a policy scores at once (SnapKV: its window)
+    optimizer: str = "adamw"  # adamw | adamw8bit
+    reference: bool = False  # beta > 0: a frozen copy of the policy
+    logits_chunk: int | None = None  # tokens per vocabulary chunk (None: 2^23 logits)
+    lam: float = 0.1
+
+    @property
+    def evicting(self) -> bool:
+        return self.algo != "dense"
+
+    @property
+    def width(self) -> int:
+        return self.prompt + self.response
+
+    @property
+    def chunk(self) -> int:
+        return self.logits_chunk or max(1, (1 << 23) // self.arch.vocab)
+
+
+@dataclass
+class Plan:
+    """Predicted bytes: the terms of each phase and each phase's peak (static included)."""
+
+    static: dict[str, float] = field(default_factory=dict)
+    rollout: dict[str, float] = field(default_factory=dict)
+    learner: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def static_bytes(self) -> float:
+        return sum(self.static.values())
+
+    @property
+    def rollout_bytes(self) -> float:
+        return self.static_bytes + self.rollout["peak"]
+
+    @property
+    def learner_bytes(self) -> float:
+        return self.static_bytes + self.learner["held"] + self.learner["peak"]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(self.rollout_bytes, self.learner_bytes)
+
+
+def static_terms(run: Run) -> dict[str, float]:
+    params, b = run.arch.params, run.compute_bytes
+    optimizer = 8 * params if run.optimizer == "adamw" else 2 * params + 8 * math.ceil(params / 2048)
+    return {
+        "weights": b * params,
+        "master weights": 4 * params if b < 4 else 0.0,
+        "gradients": 4 * params,  # float32: the masters' (or the float32 model's own)
+        "optimizer state": float(optimizer),
+        "reference policy": b * params if run.reference else 0.0,
+    }
+
+
+def shadow_mask_bytes(run: Run, rows: int) -> float:
+    return 4.0 * rows * run.arch.layers * run.arch.kv_heads * (run.width + 1) if run.evicting else 0.0
+
+
+def rollout_terms(run: Run) -> dict[str, float]:
+    a, b, rows, P = run.arch, run.compute_bytes, run.rollout_rows, run.prompt
+    slots = (run.kept + run.cache_growth) if run.evicting else run.width
+    kv = 2.0 * b * rows * a.layers * a.kv_heads * slots * a.head_dim
+    bookkeeping = 8.0 * rows * a.layers * a.kv_heads * slots if run.evicting else 0.0
+    # prefill of one layer, no gradient: the larger of its attention (q, k, v, their rolled copies, the
+    # policy's scores) and its MLP (gate, up, act(gate) * up), over the residual stream
+    scores = rows * a.heads * run.score_rows * P * (b + 4.0) if run.evicting else 0.0
+    prefill = no_grad_layer(run, rows, P, scores)
+    logits = rows * a.vocab * (b + 3 * 4.0)  # the last position's logits, float32 log_softmax, probabilities
+    done = shadow_mask_bytes(run, run.rows - rows)  # chunks decoded before this one wait for the learner
+    recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
+    return {"kv cache": kv, "cache bookkeeping": bookkeeping, "shadow masks": recording + done,
+            "prefill activations": prefill, "policy scores": scores, "sampling logits": logits,
+            "peak": kv + bookkeeping + recording + done + max(prefill, logits)}
+
+
+def no_grad_layer(run: Run, rows: int, width: int, extra: float = 0.0) -> float:
+    """Peak of one layer's forward without gradient over [rows, width] tokens: attention or MLP."""
+    a, b, tokens = run.arch, run.compute_bytes, rows * width
+    attention = tokens * a.layer_tokens(b, hidden=3, intermediate=0, query=3, kv=4) + extra
+    mlp = tokens * a.layer_tokens(b, hidden=3, intermediate=3, query=0, kv=0)
+    return max(attention, mlp) + 2.0 * tokens * a.head_dim * 4  # + the rotary cos and sin
+
+
+def learner_terms(run: Run) -> dict[str, float]:
+    a, b, n, T, R = run.arch, run.compute_bytes, run.micro_batch, run.width, run.response
+    tokens = n * T
+    held = shadow_mask_bytes(run, run.rows) + run.rows * T * 8 * 3  # the step's batch: evict_at, ids and masks
+    checkpoints = a.layers * tokens * a.hidden * b
+    final = 3.0 * tokens * a.hidden * b  # the final norm's input and output, the response slice
+    grad_layer = tokens * a.layer_tokens(b, hidden=8, intermediate=6, query=5, kv=5)
+    smd = run.algo == "smd"
+    attention = 0.0
+    if smd and run.device == "cpu":  # the response rows' per-head mask, bool then float inside SDPA
+        attention = n * a.heads * R * T * (4.0 + 3.0)
+    logits = min(run.chunk, n * R) * a.vocab  # one chunk's logits (elements)
+    vocab_chunk = logits * (5 * 4.0 + (b if b < 4 else 0))  # its float32 logits, softmax and gradients
+    head_grads = 3.0 * a.largest * b  # the LM head's weight gradients, summed across chunks and with the embedding's
+    teacher = n * R * a.hidden * b if smd else 0.0
+    kept = checkpoints + final + teacher
+    moments = {
+        "no-grad forward": final + no_grad_layer(run, n, T) + 3 * 4.0 * logits,
+        "vocabulary chunk backward": kept + vocab_chunk,
+        "head gradients": kept + 4.0 * logits + head_grads,
+        # the LM head's summed gradient waits in autograd's buffer for the tied embedding's
+        "layer backward": kept + grad_layer + attention + (a.largest * b if a.tied else 0.0),
+    }
+    return {"held": held, "checkpointed inputs": checkpoints, "layer recompute": grad_layer, "attention masks": attention,
+            "vocabulary chunk": vocab_chunk, "head gradients": head_grads, "teacher states": teacher,
+            **{f"moment: {k}": v for k, v in moments.items()}, "peak": max(moments.values())}
+
+
+def plan(run: Run) -> Plan:
+    return Plan(static_terms(run), rollout_terms(run), learner_terms(run))
+
+
+def largest_fitting(run: Run, field_name: str, limit: int, capacity: float) -> int | None:
+    """The largest `micro_batch` (judged by the learner's peak) or `rollout_rows` (by the rollout's) in
+    1..limit that fits `capacity` bytes, or None when not even 1 does."""
+    from dataclasses import replace
+
+    phase = {"micro_batch": "learner_bytes", "rollout_rows": "rollout_bytes"}[field_name]
+    best, low, high = None, 1, max(limit, 1)
+    while low <= high:
+        mid = (low + high) // 2
+        if getattr(plan(replace(run, **{field_name: mid})), phase) <= capacity:
+            best, low = mid, mid + 1
+        else:
+            high = mid - 1
+    return best

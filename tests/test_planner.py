@@ -1,0 +1,60 @@
+"""The memory planner: its predictions against live tensor bytes measured by the profiler at three sizes
+(every phase within 15 %), its static terms by hand, and `smd plan` on every paper recipe."""
+
+import importlib.util
+import json
+
+import pytest
+
+from smd_cli.cli import ROOT, main
+from smd_cli.planner import Arch, Run, largest_fitting, plan
+
+QWEN3_4B = Arch(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+
+
+def load_bench(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(3))
+def test_predictions_within_15_percent_of_measured_live_bytes(index):
+    check = load_bench("plan_check")
+    result = check.measure(*check.SMALL[index])
+    for phase, ratio in result["ratios"].items():
+        assert 0.85 <= ratio <= 1.15, f"{result['size']} {phase}: predicted / measured = {ratio:.3f}"
+    assert result["measured"]["rollout"] > 0 and result["measured"]["learner smd"] > 0
+
+
+def test_static_memory_of_qwen3_4b_by_hand():
+    assert QWEN3_4B.params == 4_022_468_096  # the published parameter count
+    run = Run(arch=QWEN3_4B, compute_bytes=2, device="cuda", algo="smd", rows=16, micro_batch=4, rollout_rows=16,
+              prompt=1024, response=256, kept=512, cache_growth=255)
+    static = plan(run).static
+    params = QWEN3_4B.params
+    assert static["weights"] == 2 * params and static["master weights"] == 4 * params
+    assert static["gradients"] == 4 * params and static["optimizer state"] == 8 * params  # AdamW: two float32 moments
+    # the rollout's KV cache: 36 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes per kept slot
+    assert plan(run).rollout["kv cache"] == 16 * 36 * 8 * 128 * 2 * 2 * (512 + 255)
+
+
+def test_largest_micro_batch_is_the_boundary():
+    run = Run(arch=QWEN3_4B, compute_bytes=2, device="cuda", algo="smd", rows=256, micro_batch=8, rollout_rows=64,
+              prompt=2048, response=512, kept=1024, cache_growth=511)
+    capacity = 100 * 2**30
+    best = largest_fitting(run, "micro_batch", 256, capacity)
+    from dataclasses import replace
+
+    assert plan(replace(run, micro_batch=best)).learner_bytes <= capacity < plan(replace(run, micro_batch=best + 1)).learner_bytes
+
+
+@pytest.mark.parametrize("recipe", ["gsm8k", "tldr", "govreport", "hotpotqa"])
+def test_smd_plan_runs_offline_for_every_paper_recipe(tmp_path, recipe):
+    main(["plan", f"+recipe={recipe}", f"hydra.run.dir={tmp_path}"])
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert out["params"] == QWEN3_4B.params and out["run"]["algo"] == "smd"
+    assert set(out["devices"]) == {"80", "141"}
+    assert out["peaks"]["step"] == max(out["peaks"]["rollout"], out["peaks"]["learner"]) > out["peaks"]["static"]
