@@ -30,8 +30,8 @@ test: install ## run the whole test suite (offline, CPU)
 test-fast: install ## the suite without the slow end-to-end stage runs
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: install ## benchmarks: ratios measured side by side in one run
-	@for b in bench/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+bench: install ## benchmarks: ratios measured side by side in one run (bench/gpu_check.sh needs a GPU: run it yourself)
+	@for b in $(filter-out bench/gpu_check.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean: ## remove the virtual environment, caches and run directories
 	rm -rf $(VENV) .cache runs outputs multirun .pytest_cache *.egg-info

@@ -16,7 +16,6 @@ Writes OUTDIR/gpu_check.json (every number, and `ok` per check) and exits 1 if a
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import sys
 import time

@@ -31,7 +31,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 from smd_cli.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from smd_cli.physical import physical_response_logits  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.shadow import response_logits, token_logprobs  # noqa: E402
+from smd_cli.losses import token_logprobs  # noqa: E402
+from smd_cli.scoring import response_logits  # noqa: E402
 
 
 def peak_bytes(fn) -> int:

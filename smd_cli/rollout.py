@@ -15,7 +15,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from transformers import DynamicCache
 
 from smd_cli.cache import EvictingCache, KVMeter, kv_bytes

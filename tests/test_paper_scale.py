@@ -87,3 +87,17 @@ def test_smd_train_and_eval_on_the_random_4b_architecture(tmp_path):
     main(["eval", *ONE_LAYER, "task.prompt_tokens=64", "eval.limit=2", f"checkpoint={tmp_path / 'run' / 'final'}", f"hydra.run.dir={run_dir}",
           "eval.max_new_tokens=3"])
     assert json.loads((run_dir / "summary.json").read_text())["n"] == 2
+
+
+def test_the_random_4b_builds_the_published_architecture(tmp_path):
+    hub = compose_stage(tmp_path, "train", "model=qwen3_4b").model.architecture
+    assert dict(compose_stage(tmp_path, "train", "model=qwen3_4b_random").model.config) == dict(hub)
+
+
+@pytest.mark.parametrize("algo", ["dense", "naive_sparse", "sparse_rl", "tis", "smd"])
+def test_paper_recipes_compose_with_every_algorithm(tmp_path, algo):
+    cfg = compose_stage(tmp_path, "train", "+recipe=gsm8k", f"algo={algo}")
+    policy = train.rollout_policy(cfg)  # the recipe's eviction settings work with each algorithm's policy
+    assert (policy is None) == (algo == "dense")
+    sparse_rl = algo == "sparse_rl"
+    assert (cfg.grpo.loss_agg, cfg.grpo.beta) == (("seq_mean_token_mean", 1e-4) if sparse_rl else ("token_mean", 0.0))

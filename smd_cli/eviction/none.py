@@ -10,7 +10,8 @@ from smd_cli.eviction.base import EvictionPolicy, PrefillView
 class KeepAll(EvictionPolicy):
     """Keeps everything; its shadow mask never hides a real key, so replay equals the dense forward."""
 
-    def __init__(self):
+    def __init__(self, compression: float = 0.0, sink: int = 0, window: int = 0):
+        """The budget settings are accepted (a recipe's `eviction.window` with `algo=dense`) and ignored."""
         super().__init__(compression=0.0, sink=0, window=0)
 
     def budget(self, prompt_lengths: torch.Tensor) -> torch.Tensor:

@@ -151,8 +151,9 @@ def run(cfg: DictConfig) -> dict:
     eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     algo = algorithm(cfg)
+    # the initial policy, frozen (also on resume); copied before the optimizer hooks the weights
+    ref_model = copy.deepcopy(model).requires_grad_(False).eval() if algo.beta > 0 else None
     optimizer = build_optimizer(model, lambda params: instantiate(cfg.optim, params=params))
-    ref_model = copy.deepcopy(model).eval() if algo.beta > 0 else None  # the initial policy, also on resume
     G = cfg.grpo.num_generations
 
     if resume_dir is None:
