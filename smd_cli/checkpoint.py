@@ -8,13 +8,18 @@ Layout of a run directory:
 
 A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N/` only when complete, so a
 run killed mid-write leaves the previous checkpoints intact and a leftover `*.tmp` folder, which every
-listing ignores and the next save (or resume) removes. Loading never unpickles code: weights go through
+listing ignores and the next save (or resume) removes. The last file written is `MANIFEST.json` (sizes
+and SHA-256 of the rest, read back from disk): a checkpoint is complete when it has one and intact when
+its files still match it (`newest_intact`); a corrupt one is moved aside to `step_N.corrupt`, never
+trusted and never deleted. Loading never unpickles code: weights go through
 safetensors (`from_pretrained(..., use_safetensors=True)`), the rest through
 `torch.load(weights_only=True)`, which is why RNG states are stored as tensors and plain types.
+A save that fails (a full disk above all) removes its partial folder and raises `OSError` naming the cause.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,9 +32,10 @@ from pathlib import Path
 
 import torch
 
+from smd_cli.integrity import MANIFEST, verify, write_manifest
 from smd_cli.io import replace_dir_atomic
 
-FORMAT = 1
+FORMAT = 2
 _STEP = re.compile(r"^step_(\d{6,})$")
 
 
@@ -44,8 +50,8 @@ def checkpoints_dir(run_dir: Path) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """A finished checkpoint: trainer state and safetensors weights are both there."""
-    return (path / "trainer_state.pt").is_file() and any((path / "model").glob("*.safetensors"))
+    """A finished checkpoint: its manifest (the last file a save writes) is there. `verify` says if it is intact."""
+    return (path / MANIFEST).is_file()
 
 
 def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
@@ -60,6 +66,30 @@ def list_checkpoints(run_dir: Path) -> list[Checkpoint]:
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def newest_intact(run_dir: Path, max_step: int | None = None) -> tuple[Checkpoint | None, list[tuple[Checkpoint, list[str]]]]:
+    """The newest checkpoint (at most `max_step`) whose files match its manifest, and the newer ones that do not
+    (each with its problems), newest first. Reads every byte of the checkpoints it verifies."""
+    corrupt = []
+    for found in reversed(list_checkpoints(run_dir)):
+        if max_step is not None and found.step > max_step:
+            continue
+        problems = verify(found.path)
+        if not problems:
+            return found, corrupt
+        corrupt.append((found, problems))
+    return None, corrupt
+
+
+def set_aside(checkpoint: Checkpoint) -> Path:
+    """Rename a corrupt checkpoint to `step_N.corrupt` (then `.corrupt-2`, ...): out of every listing, nothing deleted."""
+    target, n = checkpoint.path.with_name(checkpoint.path.name + ".corrupt"), 1
+    while target.exists():
+        n += 1
+        target = checkpoint.path.with_name(f"{checkpoint.path.name}.corrupt-{n}")
+    os.replace(checkpoint.path, target)
+    return target
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
@@ -144,35 +174,64 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, 
     root.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
     tmp, final = root / f".step_{step:06d}.tmp", root / f"step_{step:06d}"
-    tmp.mkdir()
-    save_model(tmp / "model", model, tokenizer)
     state = {"format": FORMAT, "step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
-    torch.save(state, tmp / "trainer_state.pt")
-    _fsync_tree(tmp)
-    replace_dir_atomic(tmp, final)
-    if keep_last:
+
+    def write(folder: Path) -> None:
+        save_model(folder / "model", model, tokenizer)
+        torch.save(state, folder / "trainer_state.pt")
+
+    _write_dir(tmp, final, write, f"checkpoint step {step}")
+    if keep_last:  # the checkpoint just written (intact: its manifest was read back from disk) is always kept
         for old in list_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old.path)
     return final
 
 
+def _write_dir(tmp: Path, final: Path, write, what: str) -> None:
+    """`write(tmp)`, then its manifest, fsync, and the rename to `final`; on failure `tmp` is removed and the
+    error says whether the disk is full (torch and safetensors report ENOSPC in their own words)."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        write_manifest(tmp)
+    except Exception as err:  # a KeyboardInterrupt leaves `tmp` behind, as a killed process would
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(tmp.parent).free
+        full = getattr(err, "errno", None) == errno.ENOSPC or "space left" in str(err) or "os error 28" in str(err) or free < 64 << 20
+        if full:
+            raise OSError(errno.ENOSPC, f"no space left on device while writing {what} to {final} ({free / 2**20:.0f} MiB "
+                          "free there). The partial write was removed and earlier checkpoints are intact: free some space, "
+                          "then continue with resume=true") from err
+        raise OSError(f"writing {what} to {final} failed ({type(err).__name__}: {err}); the partial write was removed "
+                      "and earlier checkpoints are intact") from err
+    replace_dir_atomic(tmp, final)
+
+
 def save_final(run_dir: Path, model, tokenizer=None) -> Path:
     """`RUN/final`: the last weights in save_pretrained form (what `smd eval checkpoint=RUN/final` reads)."""
     tmp, final = Path(run_dir) / ".final.tmp", Path(run_dir) / "final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp, model, tokenizer)
-    _fsync_tree(tmp)
-    replace_dir_atomic(tmp, final)
+    _write_dir(tmp, final, lambda folder: save_model(folder, model, tokenizer), "the final weights")
     return final
 
 
-def load_trainer_state(checkpoint: Checkpoint) -> dict:
-    """The trainer state of a checkpoint, read with `torch.load(weights_only=True)` (no code runs)."""
-    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=True)
+def load_trainer_state(checkpoint: Checkpoint, mmap: bool = False) -> dict:
+    """The trainer state of a checkpoint, read with `torch.load(weights_only=True)` (no code runs); `mmap`
+    maps the tensors instead of reading them (cheap when only `extra` is needed)."""
+    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=mmap)
     if state.get("format") != FORMAT or state.get("step") != checkpoint.step:
         raise ValueError(f"{checkpoint.path}: trainer_state.pt has format {state.get('format')} and step {state.get('step')}; "
                          f"expected format {FORMAT} and step {checkpoint.step}")
     return state
+
+
+def check_config(checkpoint: Checkpoint, config: dict, ignore: tuple[str, ...] = ()) -> None:
+    """ValueError unless the checkpoint was trained with `config` (but for the `ignore`d top-level keys)."""
+    saved = load_trainer_state(checkpoint, mmap=True)["extra"].get("config", {})
+    differences = config_differences(saved, config, ignore)
+    if differences:
+        raise ValueError(f"{checkpoint.path.parent.parent} was trained with other settings ({'; '.join(differences[:5])})")
 
 
 @torch.no_grad()
@@ -204,35 +263,27 @@ def config_differences(saved: dict, current: dict, ignore: tuple[str, ...] = (),
     return out
 
 
-def resume_run(run_dir: Path, model, optimizer, config: dict, ignore: tuple[str, ...] = (), trust_remote_code: bool = False,
-               launched_in: Path | None = None) -> tuple[Checkpoint, dict, dict, list[Path]]:
-    """Restore the newest complete checkpoint of `run_dir` into `model` and `optimizer`.
-
-    The checkpoint's saved `extra["config"]` must equal `config` (but for `ignore`d keys): a run resumed
-    with other settings would not continue the same trajectory, so that raises ValueError. Returns the
-    checkpoint, the rest of its `extra`, its RNG states (set them right before the step loop, so that
-    nothing in between draws from them) and the leftovers of an interrupted write that were removed.
-    The resumption is appended to `RUN/resumes.jsonl`."""
-    removed = remove_partial(run_dir)
-    latest = latest_checkpoint(run_dir)
-    if latest is None:
-        raise FileNotFoundError(f"{run_dir} holds no complete checkpoint")
-    state = load_trainer_state(latest)
+def resume_run(checkpoint: Checkpoint, model, optimizer, trust_remote_code: bool = False,
+               launched_in: Path | None = None) -> tuple[dict, dict]:
+    """Restore `checkpoint` (verified and config-checked by the caller: `newest_intact`, `check_config`) into
+    `model` and `optimizer`. Returns the rest of its `extra` and its RNG states (set them right before the
+    step loop, so that nothing in between draws from them). The resumption is appended to `RUN/resumes.jsonl`."""
+    state = load_trainer_state(checkpoint)
     extra = dict(state["extra"])
-    differences = config_differences(extra.pop("config", {}), config, ignore)
-    if differences:
-        raise ValueError(f"{run_dir} was trained with other settings ({'; '.join(differences[:5])})")
-    load_weights(model, latest.path / "model", trust_remote_code)
+    extra.pop("config", None)
+    load_weights(model, checkpoint.path / "model", trust_remote_code)
     optimizer.load_state_dict(state["optimizer"])
-    with (Path(run_dir) / "resumes.jsonl").open("a") as f:
-        f.write(json.dumps({"from_step": latest.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
-    return latest, extra, state["rng"], removed
+    run_dir = checkpoint.path.parent.parent
+    with (run_dir / "resumes.jsonl").open("a") as f:
+        f.write(json.dumps({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+    return extra, state["rng"]
 
 
-def resume_target(resume: bool | str | None, current_run: Path) -> Path | None:
-    """The run directory to continue for `resume`: False/None -> None; True -> the current run directory if
-    it has a checkpoint, else the sibling run (same parent) whose newest checkpoint is newest, else None;
-    a path -> that run directory, which must hold a complete checkpoint."""
+def resume_target(resume: bool | str | None, current_run: Path, named: bool = False) -> Path | None:
+    """The run directory to continue for `resume`: False/None -> None; a path -> that run directory, which must
+    hold a complete checkpoint; True -> the current run directory if it has a checkpoint; else, only when the
+    current directory was not `named` by the user (a fresh timestamped one), the sibling run (same parent)
+    whose newest checkpoint is newest; else None (start at step 0 in the current directory)."""
     if resume is None or resume is False:
         return None
     if resume is not True:
@@ -241,8 +292,8 @@ def resume_target(resume: bool | str | None, current_run: Path) -> Path | None:
             raise FileNotFoundError(f"{path} holds no complete checkpoint (expected {checkpoints_dir(path)}/step_NNNNNN/)")
         return path
     current_run = Path(current_run)
-    if latest_checkpoint(current_run) is not None:
-        return current_run
+    if latest_checkpoint(current_run) is not None or named:
+        return current_run if latest_checkpoint(current_run) is not None else None
     parent = current_run.parent
     candidates = [(latest_checkpoint(d), d) for d in parent.iterdir() if d.is_dir() and d != current_run] if parent.is_dir() else []
     candidates = [(c.path.stat().st_mtime, d) for c, d in candidates if c is not None]

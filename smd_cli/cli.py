@@ -7,6 +7,7 @@ Recipes live in `recipes/` and are registered as the config group `recipe`.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 from pathlib import Path
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
+    from smd_cli.integrity import release_all
     from smd_cli.learner import TrainingDiverged
     from smd_cli.stages.common import ConfigError
 
@@ -89,6 +91,13 @@ def main(argv: list[str] | None = None) -> None:
         except TrainingDiverged as err:
             console.print(f"[red]training diverged:[/red] {err}")
             raise SystemExit(1) from None
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+            console.print(f"[red]disk full:[/red] {err.strerror if err.filename is None else err}")
+            raise SystemExit(1) from None
+        finally:
+            release_all()
 
     if verb == "ablate":
         rest = sweep_arguments(rest)

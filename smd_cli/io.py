@@ -71,18 +71,23 @@ def _jsonable(x: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path, torn_tail_ok: bool = False) -> list[dict]:
+    """The rows of a jsonl file; a bad line is a ValueError naming the file and line. With `torn_tail_ok`, a
+    last line without its newline that does not parse (a write cut short by a kill) is dropped instead."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
+    lines = path.read_bytes().split(b"\n")
     rows = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({err.msg})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            if torn_tail_ok and n == len(lines):
+                break  # the file does not end with a newline: this line's write never finished
+            raise ValueError(f"{path}:{n}: not a valid JSON line ({getattr(err, 'msg', err)})") from None
     return rows
 
 
@@ -105,7 +110,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, tensorboard: bool = True, truncate_after: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         if truncate_after is not None and self.path.exists():  # resuming: drop steps past the checkpoint
-            kept = [r for r in read_jsonl(self.path) if r.get("step", 0) <= truncate_after]
+            kept = [r for r in read_jsonl(self.path, torn_tail_ok=True) if r.get("step", 0) <= truncate_after]
             write_jsonl(self.path, kept)
         self.writer = None
         if tensorboard:

@@ -12,6 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+@pytest.fixture(autouse=True)
+def _release_run_locks():
+    """Each test is its own "process" as far as run-directory locks go (the CLI releases them at a stage's end)."""
+    yield
+    from smd_cli.integrity import release_all
+
+    release_all()
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     from smd_cli.models import build_tiny_tokenizer

@@ -62,14 +62,17 @@ def test_saved_checkpoint_restores_exactly_and_loads_with_weights_only(tmp_path)
     assert state["step"] == 6 and state["extra"]["skipped_steps"] == 3
 
     fresh, _, fresh_optimizer = tiny_setup(seed=1)
-    latest, extra, rng, removed = ckpt.resume_run(tmp_path, fresh, fresh_optimizer, {"a": 1})
-    assert latest.step == 6 and extra == {"skipped_steps": 3} and not removed
+    latest, corrupt = ckpt.newest_intact(tmp_path)
+    assert latest.step == 6 and not corrupt
+    ckpt.check_config(latest, {"a": 1})
+    extra, rng = ckpt.resume_run(latest, fresh, fresh_optimizer)
+    assert extra == {"skipped_steps": 3}
     for a, b in zip(model.state_dict().values(), fresh.state_dict().values()):
         assert torch.equal(a, b)
     for a, b in zip(optimizer.state.values(), fresh_optimizer.state.values()):
         assert all(torch.equal(a[k], b[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
     with pytest.raises(ValueError, match=r"other settings \(a: 1 -> 2\)"):
-        ckpt.resume_run(tmp_path, fresh, fresh_optimizer, {"a": 2})
+        ckpt.check_config(latest, {"a": 2})
 
 
 def test_rng_states_round_trip():
@@ -178,7 +181,7 @@ def test_empty_batches_after_rejection_are_skipped_and_counted(tmp_path, cache, 
     summary = train_run(run, cache, "algo=sparse_rl", "eviction=snapkv", "steps=2")
     assert summary["train/skipped_steps"] == 2 and summary["status"] == "completed"
     assert [r["learner/skipped_empty_batch"] for r in read_jsonl(run / "metrics.jsonl")] == [1.0, 1.0]
-    start = next((cache / "warmstart").iterdir()) / "model.safetensors"
+    start = next(p for p in (cache / "warmstart").iterdir() if p.is_dir()) / "model.safetensors"
     a, b = load_file(start), load_file(run / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)  # nothing was learned from empty batches
 

@@ -88,6 +88,15 @@ class EvictionPolicy:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "decode_time")
         return f"{type(self).__name__}({fields})"
 
+    def state_dict(self) -> dict:
+        """The policy's own random state, saved with checkpoints so that a resumed run evicts exactly what an
+        uninterrupted one would (tensors and plain types only). Deterministic policies have none."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but a checkpoint holds {sorted(state)}")
+
     # -- what a policy implements ------------------------------------------------------------------
     def prefill_scores(self, view: PrefillView) -> torch.Tensor:
         """Score of each prompt entry, higher = keep: [B, Hkv, P]."""

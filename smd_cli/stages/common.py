@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
-from smd_cli import models
+from smd_cli import integrity, models
 from smd_cli.attention import use_smd_attention
 from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
 from smd_cli.warmstart import warm_start
@@ -68,9 +70,26 @@ def start_run(cfg: DictConfig) -> Run:
         overrides = list(HydraConfig.get().overrides.task)
     else:
         raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if "model" in cfg and "task" in cfg:
+        check_context(cfg)
+    try:  # one writer per run directory: a second process stops here, before it writes anything
+        integrity.hold(run_dir, "smd")
+    except integrity.Locked as err:
+        raise ConfigError(str(err)) from None
     write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
     return Run(run_dir, seed_everything(cfg.seed), device)
+
+
+def check_context(cfg: DictConfig) -> None:
+    """Prompt plus response must fit the model's positions: said at once, not after a warm start or a download."""
+    t, m = cfg.task, cfg.model
+    prompt = t.get("prompt_tokens") or t.get("max_prompt_tokens")
+    fields = {**dict(m.get("architecture") or {}), **dict(m.get("config") or {})}
+    limit = fields.get("max_position_embeddings") or (models.tiny_config().max_position_embeddings if m.name_or_path is None else None)
+    if isinstance(prompt, int) and limit and prompt + t.max_new_tokens > limit:
+        key = "task.prompt_tokens" if t.get("prompt_tokens") else "task.max_prompt_tokens"
+        raise ConfigError(f"{key}={prompt} is not allowed: with task.max_new_tokens={t.max_new_tokens} it exceeds model={m.name}'s "
+                          f"{limit} positions (model.config.max_position_embeddings)")
 
 
 def build_task(cfg: DictConfig):
@@ -177,22 +196,29 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     weights = {k: v for k, v in to_dict(cfg.model).items() if k in ("config", "dtype", "warmstart", "tokenizer")}
     key = json.dumps({"model": weights, "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
-    if (path / "model.safetensors").is_file():
-        console.print(f"warm start: reusing {path}", soft_wrap=True)
-        return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
-    ws = cfg.model.warmstart
-    if ws.get("task"):  # e.g. shorter prompts for the warm start than for RL: {prompt_tokens: 64}
-        try:
-            task = instantiate(cfg.task, **ws.task)
-        except Exception as err:
-            raise ConfigError(f"model.warmstart.task: {_root_cause(err)}") from None
-    stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
-                       label_smoothing=ws.get("label_smoothing", 0.0), progress=progress)
-    tmp = path.with_name(path.name + ".tmp")
-    hf_logging.disable_progress_bar()
-    model.save_pretrained(tmp)
-    (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
-    replace_dir_atomic(tmp, path)
+    with integrity.exclusive(path.with_name(f".{path.name}.lock")):  # concurrent runs: one builds, the others wait
+        if path.is_dir():
+            problems = integrity.verify(path)
+            if not problems:
+                console.print(f"warm start: reusing {path}", soft_wrap=True)
+                return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
+            console.print(f"[yellow]warning:[/yellow] the cached warm start {path} is broken ({'; '.join(problems[:3])}); "
+                          "rebuilding it", soft_wrap=True)
+            shutil.rmtree(path)
+        ws = cfg.model.warmstart
+        if ws.get("task"):  # e.g. shorter prompts for the warm start than for RL: {prompt_tokens: 64}
+            try:
+                task = instantiate(cfg.task, **ws.task)
+            except Exception as err:
+                raise ConfigError(f"model.warmstart.task: {_root_cause(err)}") from None
+        stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
+                           label_smoothing=ws.get("label_smoothing", 0.0), progress=progress)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        hf_logging.disable_progress_bar()
+        model.save_pretrained(tmp)
+        (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
+        integrity.write_manifest(tmp)
+        replace_dir_atomic(tmp, path)
     console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}", soft_wrap=True)
     console.print(f"warm start cached at {path}", soft_wrap=True)
     return model

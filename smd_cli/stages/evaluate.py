@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from smd_cli import models
+from smd_cli import integrity, models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
@@ -44,8 +44,21 @@ def checkpoint_dir(path) -> Path:
         if (candidate / "config.json").is_file():
             if not any(candidate.glob("*.safetensors")):
                 raise ConfigError(f"checkpoint={str(path)!r}: {candidate} has config.json but no *.safetensors weights")
+            verify_written(path, candidate)
             return candidate
     raise ConfigError(f"checkpoint={str(path)!r} is not a save_pretrained directory: no config.json in it or in its model/")
+
+
+def verify_written(path, weights: Path) -> None:
+    """A checkpoint `smd train` wrote carries a manifest (in `final/`, or in `step_N/` above `model/`): the
+    files must still match it. A directory from elsewhere (a Hub download) has none and is read as it is."""
+    for folder in (weights, weights.parent):
+        if (folder / integrity.MANIFEST).is_file():
+            problems = integrity.verify(folder)
+            if problems:
+                raise ConfigError(f"checkpoint={str(path)!r} is corrupt: {'; '.join(problems[:3])}. Evaluate another "
+                                  "checkpoint of the run (its checkpoints/step_N/) instead")
+            return
 
 
 def load_checkpoint(cfg: DictConfig, device: torch.device):

@@ -16,6 +16,7 @@ remaining rows equal an uninterrupted run's. A non-finite loss or gradient stops
 from __future__ import annotations
 
 import copy
+import math
 import time
 
 import torch
@@ -33,7 +34,7 @@ from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
 from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
-from smd_cli.stages.train_state import find_resume, last_logged, resume, save, stop_diverged
+from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, stop_diverged
 
 def validate(cfg: DictConfig) -> None:
     g, s = cfg.grpo, cfg.sampling
@@ -55,7 +56,9 @@ def validate(cfg: DictConfig) -> None:
     check(cfg.model.replay in ("auto", "sdpa", "flex"), "model.replay", cfg.model.replay, "auto, sdpa or flex")
     if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
-    check(cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a learning rate > 0")
+    check(math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a finite learning rate > 0")
+    check(isinstance(cfg.guard.collapse_steps, int) and cfg.guard.collapse_steps >= 0, "guard.collapse_steps",
+          cfg.guard.collapse_steps, "an integer >= 0 (0: no collapse guard)")
     check(s.temperature > 0, "sampling.temperature", s.temperature, "> 0 for GRPO sampling (0 is greedy: no exploration)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
@@ -142,9 +145,9 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
 
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
-    resume_dir = find_resume(cfg)
+    resume_from = find_resume(cfg)  # verified and config-checked before any model is built
     run_ = start_run(cfg)
-    run_dir = resume_dir or run_.dir
+    run_dir = resume_from.path.parent.parent if resume_from else run_.dir
     task = build_task(cfg)
     policy = rollout_policy(cfg)
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
@@ -156,17 +159,21 @@ def run(cfg: DictConfig) -> dict:
     optimizer = build_optimizer(model, lambda params: instantiate(cfg.optim, params=params))
     G = cfg.grpo.num_generations
 
-    if resume_dir is None:
+    if resume_from is None:
         start, rng = 0, None
         state = {"summary": held_out(model, tokenizer, task, eval_examples, cfg, "before"), "skipped_steps": 0, "seconds": 0.0}
         console.print(f"held-out reward before GRPO: {state['summary'].get('eval/reward_before', float('nan')):.4f} "
                       f"({len(eval_examples)} prompts, temperature {cfg.eval.temperature})")
     else:  # the held-out reward before, the skip count and the seconds so far come back with the checkpoint
-        start, state, rng = resume(cfg, run_dir, run_.dir, model, optimizer)
+        state, rng = resume(cfg, resume_from, run_.dir, model, optimizer)
+        start = resume_from.step
+        if policy is not None:
+            policy.load_state_dict(state.pop("policy", {}))
     summary = dict(state["summary"])
     log = MetricsLog(run_dir, truncate_after=start)
     last = last_logged(log.path)
     mem = PhaseMemory(run_.device)
+    guard = CollapseGuard(cfg.guard.collapse_steps, run_dir)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
@@ -183,9 +190,10 @@ def run(cfg: DictConfig) -> dict:
             try:
                 with mem.phase("learner"):
                     metrics = learner_step(model, optimizer, batch, advantages, algo, ref_model)
+                guard.after_step(step + 1, model, metrics)
             except TrainingDiverged as err:
                 log.close()
-                stop_diverged(run_dir, step + 1, err, summary)
+                stop_diverged(run_dir, step + 1, err, summary, guard.last_good)
             t2 = time.perf_counter()
             metrics.update({**rollout_metrics(batch, rewards, G, tokenizer.eos_token_id), **mem.take(),
                             "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0})
@@ -194,12 +202,12 @@ def run(cfg: DictConfig) -> dict:
             last = metrics
             state["seconds"] += time.perf_counter() - t0
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.steps:
-                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state)
+                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
     log.close()
     latest = ckpt.latest_checkpoint(run_dir)
     if latest is None or latest.step != cfg.steps:
-        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state)
+        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy)
     ckpt.save_final(run_dir, model, tokenizer)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps, "status": "completed"})
     summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))

@@ -5,22 +5,26 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from smd_cli import checkpoint as ckpt
+from smd_cli import integrity
 from smd_cli.io import read_jsonl, write_json
 from smd_cli.learner import TrainingDiverged
 from smd_cli.stages.common import ConfigError, console, to_dict
 
 # Config keys that may differ between a run and its resumption: they change neither the updates nor the metrics.
-RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "run_dir", "overrides", "cache_dir",
+RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "guard", "run_dir", "overrides", "cache_dir",
                     "device", "threads", "log_every", "stage_help")
 
 
-def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict) -> None:
-    """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/RNG, all plain types."""
-    extra = {"config": to_dict(cfg), **state}
+def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, policy=None) -> None:
+    """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/global RNGs: plain types,
+    and the eviction policy's own random state (tensors)."""
+    extra = {"config": to_dict(cfg), **state, **({"policy": policy.state_dict()} if policy is not None else {})}
     ckpt.save_checkpoint(run_dir, step, model, optimizer, tokenizer, extra=extra, keep_last=cfg.checkpoint.keep_last)
 
 
@@ -31,35 +35,79 @@ def planned_run_dir(cfg: DictConfig) -> Path | None:
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
 
 
-def find_resume(cfg: DictConfig) -> Path | None:
-    """The run directory to continue (see `checkpoint.resume_target`), or None to start at step 0."""
+def named_by_user(cfg: DictConfig) -> bool:
+    """Whether the run directory was chosen on the command line (`hydra.run.dir=`, or `run_dir` set by a caller)
+    rather than the fresh timestamped default: `resume=true` then never looks beyond it."""
+    if cfg.get("run_dir"):
+        return True
+    return HydraConfig.initialized() and any(o.startswith("hydra.run.dir=") for o in HydraConfig.get().overrides.hydra)
+
+
+def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
+    """The checkpoint to continue from (see `checkpoint.resume_target`), or None to start at step 0.
+
+    Before any model is built: the run directory is locked for this process, an interrupted write is removed,
+    the checkpoints are verified newest first (a corrupt one is moved aside with a warning, and the newest
+    intact one is used), and the checkpoint's config is compared with this one."""
     current = planned_run_dir(cfg)
     if current is None:
         return None
     try:
-        target = ckpt.resume_target(cfg.resume, current)
+        target = ckpt.resume_target(cfg.resume, current, named=named_by_user(cfg))
     except FileNotFoundError as err:
         raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
     if target is None and ckpt.latest_checkpoint(current) is not None:
         raise ConfigError(f"resume={cfg.resume!r} but {current} already holds checkpoints of an earlier run; "
                           "pass resume=true to continue it, or choose another hydra.run.dir")
-    if target is None and cfg.resume is True:
-        console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current} or beside it; starting at step 0")
-    if target is not None and ckpt.latest_checkpoint(target).step > cfg.steps:
-        raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {ckpt.latest_checkpoint(target).step}")
-    return target
-
-
-def resume(cfg: DictConfig, run_dir: Path, launched_in: Path, model, optimizer) -> tuple[int, dict, dict]:
-    """Restore the newest complete checkpoint of `run_dir`: (its step, the trainer's extra state, RNG states)."""
+    if target is None:
+        if cfg.resume is True:
+            console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current}"
+                          f"{'' if named_by_user(cfg) else ' or beside it'}; starting at step 0")
+        return None
+    lock(target)
+    removed = ckpt.remove_partial(target)
+    if removed:
+        console.print(f"removed an interrupted write in {target}: {', '.join(p.name for p in removed)}")
+    latest, corrupt = ckpt.newest_intact(target)
+    if latest is None and target != current:  # nothing to continue there: leave that directory as it is
+        if cfg.resume is not True:
+            raise ConfigError(f"resume={cfg.resume!r}: {target} holds no intact checkpoint ({_described(corrupt)})")
+        console.print(f"[yellow]warning:[/yellow] {target} holds no intact checkpoint ({_described(corrupt)}); starting at step 0")
+        return None
+    for bad, problems in corrupt:
+        moved = ckpt.set_aside(bad)
+        console.print(f"[yellow]warning:[/yellow] {bad.path} is corrupt ({'; '.join(problems[:3])}); moved it to {moved.name}")
+    if latest is None:
+        console.print(f"[yellow]warning:[/yellow] no intact checkpoint is left in {target}; starting at step 0")
+        return None
+    if corrupt:
+        console.print(f"[yellow]warning:[/yellow] resuming from the newest intact checkpoint, {latest.path.name}")
+    if latest.step > cfg.steps:
+        raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {latest.step}")
     try:
-        latest, extra, rng, removed = ckpt.resume_run(run_dir, model, optimizer, to_dict(cfg), RESUME_FREE_KEYS,
-                                                      bool(cfg.model.trust_remote_code), launched_in)
+        ckpt.check_config(latest, to_dict(cfg), RESUME_FREE_KEYS)
     except ValueError as err:
         raise ConfigError(f"resume={cfg.resume!r}: {err}; resume with the run's own values (its config.json) or start a new run") from None
-    note = f" (removed an interrupted write: {', '.join(p.name for p in removed)})" if removed else ""
-    console.print(f"resuming {run_dir} from {latest.path.name}{note}")
-    return latest.step, extra, rng
+    return latest
+
+
+def _described(corrupt: list) -> str:
+    return "; ".join(f"{bad.path.name}: {problems[0]}" for bad, problems in corrupt) or "none is complete"
+
+
+def lock(run_dir: Path) -> None:
+    """One writer per run directory (`integrity.hold`); a second process gets a ConfigError naming the first."""
+    try:
+        integrity.hold(run_dir, "smd")
+    except integrity.Locked as err:
+        raise ConfigError(str(err)) from None
+
+
+def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model, optimizer) -> tuple[dict, dict]:
+    """Restore `checkpoint` (from `find_resume`): (the trainer's extra state, RNG states)."""
+    extra, rng = ckpt.resume_run(checkpoint, model, optimizer, bool(cfg.model.trust_remote_code), launched_in)
+    console.print(f"resuming {checkpoint.path.parent.parent} from {checkpoint.path.name}")
+    return extra, rng
 
 
 def last_logged(path: Path) -> dict:
@@ -68,11 +116,34 @@ def last_logged(path: Path) -> dict:
     return {k: v for k, v in rows[-1].items() if k != "step"} if rows else {}
 
 
-def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict):
-    """Record the divergence in summary.json and stop, naming the step and the last good checkpoint."""
-    latest = ckpt.latest_checkpoint(run_dir)
+class CollapseGuard:
+    """Beside the learner's NaN guard: stops a run whose weights are non-finite after a step, or whose gradient
+    norm has been exactly 0 for `steps` steps in a row: no learning signal at all, the state an absurd learning
+    rate leaves a model in (saturated logits), or every group's rewards equal step after step. `last_good` is
+    then the newest step whose weights predate it."""
+
+    def __init__(self, steps: int, run_dir: Path):
+        self.steps, self.run_dir, self.streak, self.last_good = steps, run_dir, 0, None
+
+    def after_step(self, step: int, model, metrics: dict) -> None:
+        """Check step `step` (1-based) after its update; TrainingDiverged to stop."""
+        if not bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()):
+            self.last_good = step - 1
+            raise TrainingDiverged("the weights are non-finite after the optimizer step")
+        self.streak = self.streak + 1 if metrics.get("grad_norm") == 0 else 0
+        if self.steps and self.streak >= self.steps:
+            self.last_good = step - self.streak - 1  # the update before the first silent step did it
+            raise TrainingDiverged(f"no learning signal: the gradient norm has been exactly 0 for {self.streak} steps in a "
+                                   "row (a collapsed policy, or every group's rewards equal each step); "
+                                   f"guard.collapse_steps={self.steps}, 0 turns this check off")
+
+
+def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict, last_good: int | None = None):
+    """Record the divergence in summary.json and stop, naming the step and the last good checkpoint (the newest
+    intact one at or before step `last_good` when given)."""
+    latest, _ = ckpt.newest_intact(run_dir, max_step=last_good)
     kept = str(latest.path) if latest else "none (no checkpoint had been written yet)"
-    message = f"training diverged at step {step}: {err}; stopped without applying it. Last good checkpoint: {kept}"
+    message = f"training diverged at step {step}: {err}; stopped. Last good checkpoint: {kept}"
     summary.update({"status": "diverged", "diverged_at_step": step, "error": str(err), "last_checkpoint": latest and str(latest.path)})
     write_json(run_dir / "summary.json", summary)
     console.print(f"[red]{message}[/red]")
