@@ -152,11 +152,11 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 optimizer.zero_grad(set_to_none=True)
                 raise TrainingDiverged(f"non-finite loss {loss.item()} at iteration {iteration} (policy {policy.item()}, distill {distill.item()})")
             loss.backward()
+            k = keep[s].bool()  # clipping counted at every pass (the first one's ratio is 1 by construction)
+            low += float((clip["low"] & k).sum()) / algo.num_iterations
+            high += float((clip["high"] & k).sum()) / algo.num_iterations
             if iteration == 0:
                 view_logp.append(logp.detach())
-                k = keep[s].bool()
-                low += float((clip["low"] & k).sum())
-                high += float((clip["high"] & k).sum())
                 ent += float((terms["entropy"] * mask[s]).sum())
             for key, value in (("loss", loss), ("loss/policy", policy), ("loss/kl_ref", kl_ref), ("loss/distill", distill)):
                 sums[key] += float(value.detach()) / algo.num_iterations

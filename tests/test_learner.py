@@ -1,6 +1,9 @@
 """`learner_step` against the formulas of DESIGN.md section 4, written out by hand with the same log-probs:
 each algorithm's loss, SMD's ratio parity under the shadow mask, the stop-gradient on the dense teacher,
-Sparse-RL's weights, masks and vetoes, the empty-batch skip, and the divergence guard."""
+Sparse-RL's weights, masks and vetoes, the empty-batch skip, and the divergence guard. Then two iterations
+(`num_iterations=2`, a large SGD step) against an eager reference that shares no code with smd_cli's scoring,
+losses or attention: off-policy ratios at the second iteration, the clip with epsilon != epsilon_high,
+gradient clipping, the updated weights, SMD's per-iteration dense teacher, and the reported clip fractions."""
 
 import copy
 import math
@@ -247,3 +250,227 @@ def test_tis_truncates_at_the_cap_through_learner_step(tiny_model, tiny_tokenize
     assert metrics["is/truncated_token_frac"] == pytest.approx(1 / 40)
     assert metrics["is/weight_max"] == pytest.approx(2.0)
     assert metrics["loss"] == pytest.approx(want, abs=1e-5)
+
+
+# --- Two iterations against an eager reference written out here -------------------------------------------
+# Everything below `learner_step` in these tests is recomputed without smd_cli's scoring, losses or attention:
+# a plain-PyTorch Qwen3 forward with an explicit [N, L, Hkv, T, T] attention mask (dense: causal over real
+# keys; SMD: the shadow mask decoded by DESIGN.md section 2's rule `j <= i < evict_at[b, l, h, j]`), the PPO-clip
+# surrogate with epsilon / epsilon_high, token_mean aggregation, SMD's full-vocabulary KL to a stop-gradient
+# dense teacher of the *current* weights, gradient-norm clipping, and plain SGD steps.
+
+
+def _rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def eager_response_logits(params, config, input_ids, attention_mask, visible, prompt_length):
+    """Qwen3's forward in plain PyTorch (softmax attention with the explicit mask `visible` [N, L, Hkv, T, T]),
+    logits at the positions predicting the response: [N, R, V]. `params` are the model's named parameters
+    (the head is tied to the embedding)."""
+    n, width = input_ids.shape
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    groups, eps = heads // kv_heads, config.rms_norm_eps
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0).float()  # real positions under left padding
+    inv_freq = 1.0 / config.rope_parameters["rope_theta"] ** (torch.arange(0, dim, 2).float() / dim)
+    angles = positions[..., None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)[:, None]  # [N, 1, T, D]
+    cos, sin = angles.cos(), angles.sin()
+    x = params["model.embed_tokens.weight"][input_ids]
+    for layer in range(config.num_hidden_layers):
+        w = {name[len(f"model.layers.{layer}."):]: p for name, p in params.items() if name.startswith(f"model.layers.{layer}.")}
+        h = _rms(x, w["input_layernorm.weight"], eps)
+        q = _rms((h @ w["self_attn.q_proj.weight"].T).view(n, width, heads, dim), w["self_attn.q_norm.weight"], eps).transpose(1, 2)
+        k = _rms((h @ w["self_attn.k_proj.weight"].T).view(n, width, kv_heads, dim), w["self_attn.k_norm.weight"], eps).transpose(1, 2)
+        v = (h @ w["self_attn.v_proj.weight"].T).view(n, width, kv_heads, dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # GQA: head h reads KV head h // groups
+        mask = visible[:, layer].repeat_interleave(groups, dim=1)  # [N, H, T, T]
+        scores = (q @ k.transpose(-1, -2)) * dim**-0.5
+        attended = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v  # [N, H, T, D]
+        x = x + attended.transpose(1, 2).reshape(n, width, heads * dim) @ w["self_attn.o_proj.weight"].T
+        h = _rms(x, w["post_attention_layernorm.weight"], eps)
+        x = x + (torch.nn.functional.silu(h @ w["mlp.gate_proj.weight"].T) * (h @ w["mlp.up_proj.weight"].T)) @ w["mlp.down_proj.weight"].T
+    x = _rms(x, params["model.norm.weight"], eps)
+    return x[:, prompt_length - 1 : -1] @ params["model.embed_tokens.weight"].T
+
+
+def explicit_mask(batch, config, shadow: bool):
+    """[N, L, Hkv, T, T] bool: query i sees key j iff j <= i, j is a real token and (shadow) i < evict_at[., ., ., j].
+    Every row also sees its own key, so that padding rows and the never-fed last column stay finite (no real
+    query sees those keys, so their rows change nothing else)."""
+    real = batch.attention_mask.bool()
+    width = real.shape[1]
+    i, j = torch.arange(width)[:, None], torch.arange(width)[None, :]
+    visible = (j <= i) & real[:, None, None, None, :]  # [N, 1, 1, T, T]
+    if shadow:
+        visible = visible & (i < batch.evict_at[:, :, :, None, :].long())
+    visible = visible.expand(-1, config.num_hidden_layers, config.num_key_value_heads, width, width)
+    return visible | (i == j)
+
+
+def reference_iterations(params, config, batch, adv, *, name, lr, iterations, epsilon, epsilon_high, lam, max_grad_norm,
+                         frozen_teacher=False):
+    """`iterations` SGD steps of the algorithm `name` from `params`, by hand. Returns per-iteration records
+    (loss, policy, distill, clip counts, clipped gradients, grad norm) and the final parameters.
+    `frozen_teacher=True` is a deliberately wrong SMD (teacher kept at the first iteration's weights)."""
+    mask = batch.response_mask.float()
+    tokens = batch.input_ids[:, batch.prompt_length :]
+    dense_mask = explicit_mask(batch, config, shadow=False)
+    view_mask = explicit_mask(batch, config, shadow=name == "smd")
+
+    def logits(p, visible):
+        return eager_response_logits(p, config, batch.input_ids, batch.attention_mask, visible, batch.prompt_length)
+
+    def token_logp(lgts):
+        return lgts.log_softmax(-1).gather(-1, tokens[..., None]).squeeze(-1)
+
+    with torch.no_grad():
+        dense_old = token_logp(logits(params, dense_mask))  # pi_old of the dense learners: the weights before any step
+    old = batch.logprobs if name == "smd" else dense_old
+    weights = torch.exp(dense_old - batch.logprobs).clamp(max=2.0) if name == "tis" else torch.ones_like(mask)
+    params = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    first_teacher = None
+    records = []
+    for _ in range(iterations):
+        student_logits = logits(params, view_mask)
+        logp = token_logp(student_logits)
+        ratio = torch.exp(logp - old)
+        a = adv[:, None]
+        per_token = -torch.minimum(ratio * a, ratio.clamp(1 - epsilon, 1 + epsilon_high) * a) * weights
+        policy = (per_token * mask).sum() / mask.sum()
+        distill = torch.zeros(())
+        if name == "smd":
+            with torch.no_grad():
+                teacher = logits(params, dense_mask).log_softmax(-1)
+            if first_teacher is None:
+                first_teacher = teacher
+            if frozen_teacher:
+                teacher = first_teacher
+            kl = (teacher.exp() * (teacher - student_logits.log_softmax(-1))).sum(-1)  # KL(teacher || student)
+            distill = (kl * mask).sum() / mask.sum()
+        loss = policy + lam * distill
+        grads = torch.autograd.grad(loss, list(params.values()))
+        norm = torch.sqrt(sum((g**2).sum() for g in grads))
+        scale = min(1.0, max_grad_norm / (float(norm) + 1e-6))
+        with torch.no_grad():
+            valid = mask.bool()
+            records.append({
+                "loss": float(loss), "policy": float(policy), "distill": float(distill), "grad_norm": float(norm),
+                "low": int(((ratio < 1 - epsilon) & (a < 0) & valid).sum()),
+                "high": int(((ratio > 1 + epsilon_high) & (a > 0) & valid).sum()),
+                "between": int(((ratio > 1 + epsilon) & (ratio <= 1 + epsilon_high) & (a > 0) & valid).sum()),
+                "grads": [g * scale for g in grads],
+                "teacher": teacher if name == "smd" else None,
+            })
+            params = {k: (p - lr * scale * g).detach().requires_grad_(True) for (k, p), g in zip(params.items(), grads)}
+    return records, {k: v.detach() for k, v in params.items()}
+
+
+class RecordingSGD(torch.optim.SGD):
+    """Plain SGD that keeps a copy of the (already clipped) gradients of every step."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.seen = []
+
+    def step(self, closure=None):
+        self.seen.append([p.grad.detach().clone() for group in self.param_groups for p in group["params"]])
+        return super().step(closure)
+
+
+def varied_rollout(model, tokenizer, policy):
+    """8 sequences (2 prompts x 4) of 5 sampled tokens, prompts cut to different lengths (left padding)."""
+    task = NeedleRetrieval(prompt_tokens=32)
+    prompts = [task.encode_prompt(task.example("train", i), tokenizer)[3 * g :] for i in range(2) for g in range(4)]
+    return generate(model, prompts, policy=policy, max_new_tokens=5, generator=torch.Generator().manual_seed(0),
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+EPS, EPS_HIGH, LAM, MAX_GRAD_NORM = 0.1, 0.3, 0.5, 1.0
+# With gradients clipped to norm 1, an SGD step of 0.07 is large for this model: at the second iteration the
+# ratios spread over both clip edges and the band (1 + EPS, 1 + EPS_HIGH] between them.
+LR = 0.07
+
+
+def run_two_iterations(model, tokenizer, name, micro_batch_size=None, monkeypatch=None):
+    """The batch, the reference records and parameters, the learner's metrics, recorded gradients and teachers."""
+    batch = varied_rollout(model, tokenizer, None if name == "dense" else SnapKV(compression=0.5, sink=2, window=6))
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+    settings = dict(name=name, lr=LR, iterations=2, epsilon=EPS, epsilon_high=EPS_HIGH, lam=LAM, max_grad_norm=MAX_GRAD_NORM)
+    want, want_params = reference_iterations(start, model.config, batch, ADVANTAGES, **settings)
+    teachers = []
+    if monkeypatch is not None:  # record the learner's dense forwards (SMD: the teacher of each iteration)
+        hidden_of = learner._hidden
+
+        def recording(model_, batch_, rows, algo, shadow):
+            out = hidden_of(model_, batch_, rows, algo, shadow)
+            if not shadow:  # its log-probs over the vocabulary, through the head of the weights of this moment
+                with torch.no_grad():
+                    teachers.append(model_.get_output_embeddings()(out).float().log_softmax(-1))
+            return out
+
+        monkeypatch.setattr(learner, "_hidden", recording)
+    optimizer = RecordingSGD(model.parameters(), lr=LR)
+    algo = Algorithm(name, num_iterations=2, epsilon=EPS, epsilon_high=EPS_HIGH, lam=LAM, max_grad_norm=MAX_GRAD_NORM,
+                     micro_batch_size=micro_batch_size)
+    got = learner_step(model, optimizer, batch, ADVANTAGES, algo)
+    return batch, start, settings, want, want_params, got, optimizer.seen, teachers
+
+
+@pytest.mark.parametrize("name, micro_batch_size", [("dense", None), ("tis", None), ("smd", None), ("smd", 3)])
+def test_two_iterations_match_an_eager_reference(tiny_model, tiny_tokenizer, monkeypatch, name, micro_batch_size):
+    batch, start, settings, want, want_params, got, seen, teachers = run_two_iterations(
+        tiny_model, tiny_tokenizer, name, micro_batch_size, monkeypatch)
+    assert batch.attention_mask[:, : batch.prompt_length].eq(0).any()  # some rows are left-padded
+    # the second iteration is off-policy: both clip edges and the band between epsilon and epsilon_high are hit
+    second = want[1]
+    assert second["low"] >= 5 and second["high"] >= 1 and second["between"] >= 5, second
+    assert want[0]["low"] == want[0]["high"] == 0  # the first iteration's ratio is 1 (SMD: shadow = sampler)
+    assert want[0]["grad_norm"] > MAX_GRAD_NORM  # the first step's gradient is clipped
+
+    mean = lambda key: sum(r[key] for r in want) / len(want)  # reported losses: the mean over the iterations
+    assert got["loss"] == pytest.approx(mean("loss"), abs=1e-5)
+    assert got["loss/policy"] == pytest.approx(mean("policy"), abs=1e-5)
+    assert got["loss/distill"] == pytest.approx(mean("distill"), abs=1e-6)
+    assert got["grad_norm"] == pytest.approx(want[-1]["grad_norm"], rel=1e-4)  # the last iteration's, before clipping
+    assert len(seen) == 2  # one optimizer step per iteration, each with the clipped gradient of the reference
+    for iteration, (grads, record) in enumerate(zip(seen, want)):
+        for g, w in zip(grads, record["grads"]):
+            torch.testing.assert_close(g, w, atol=1e-6, rtol=1e-3, msg=lambda m: f"iteration {iteration}: {m}")
+    for k, p in tiny_model.named_parameters():
+        torch.testing.assert_close(p.detach(), want_params[k], atol=1e-6, rtol=1e-4)
+
+    # the comparison can fail: the same reference with epsilon_high = epsilon gives another loss
+    ignored, _ = reference_iterations(start, tiny_model.config, batch, ADVANTAGES, **{**settings, "epsilon_high": EPS})
+    assert abs(sum(r["loss"] for r in ignored) / 2 - got["loss"]) > 5e-3
+    if name == "smd":
+        # SMD's teacher is the dense forward of the current weights at every iteration, held constant
+        assert len(teachers) == 2 * (1 if micro_batch_size is None else math.ceil(8 / micro_batch_size))
+        per_iteration = len(teachers) // 2
+        for iteration in range(2):
+            teacher = torch.cat(teachers[iteration * per_iteration : (iteration + 1) * per_iteration])  # [N, R, V]
+            torch.testing.assert_close(teacher, want[iteration]["teacher"], atol=2e-5, rtol=1e-4)
+        frozen, _ = reference_iterations(start, tiny_model.config, batch, ADVANTAGES, **settings, frozen_teacher=True)
+        assert abs(frozen[1]["distill"] - want[1]["distill"]) > 2e-4  # a teacher kept from iteration 1 is visibly off
+        assert float((want[1]["teacher"] - want[0]["teacher"]).abs().max()) > 1e-2  # the teacher did move
+
+
+@pytest.mark.parametrize("name", ["dense", "smd"])
+def test_clip_fractions_count_every_iteration(tiny_model, tiny_tokenizer, name):
+    """`clip_ratio/*_mean` are the fractions of kept tokens where the low / high clip is active, averaged over
+    the `num_iterations` passes (TRL logs them at every pass). At the first pass the ratio is 1 by
+    construction for every algorithm, so counting that pass alone always reports 0."""
+    batch, _, _, want, _, got, _, _ = run_two_iterations(tiny_model, tiny_tokenizer, name)
+    tokens = int(batch.response_mask.sum())  # every token is kept (no Sparse-RL rejection here)
+    low = sum(r["low"] for r in want) / (2 * tokens)
+    high = sum(r["high"] for r in want) / (2 * tokens)
+    assert low > 0.05 and high > 0.01
+    assert got["clip_ratio/low_mean"] == pytest.approx(low, abs=1e-9)
+    assert got["clip_ratio/high_mean"] == pytest.approx(high, abs=1e-9)
+    assert got["clip_ratio/region_mean"] == pytest.approx(low + high, abs=1e-9)

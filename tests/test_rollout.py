@@ -3,7 +3,7 @@
 For every policy, on CPU float32, with GQA (4 heads, 2 KV heads), left padding (prompts of 24 to 48
 tokens), a batch of 4 and sampling at temperature 1: the shadow replay and the physical learner give the
 sampler's log-probs to 1e-5; the dense learner is visibly off under compression 0.5 and exact under none;
-the recorded visibility equals the decoded encoding; KV bytes follow the kept fraction.
+the recorded visibility equals the decoded encoding; KV bytes follow the budget, (k + g) / (P + R - 1).
 """
 
 import pytest
@@ -117,13 +117,62 @@ def test_snapkv_recompresses_every_n_steps(rollouts):
     assert times.tolist() == [prompt_width + 4, prompt_width + 8]  # after decode steps 3 and 7
 
 
+# KV bytes, from the definitions (DESIGN.md sections 2 and 3.4). What `kv/bytes_peak` counts is the storage of the
+# cache's keys and values: an evicting cache allocates each layer once, right after prefill, as [N, Hkv, S, D]
+# slots with S = k + g, where
+# - k = the prompt budget of the widest row, clamp(ceil((1 - c) * P), min = sink + window, max = P) (sink and window
+#   are inside the budget, not on top of it; KeepAll keeps all P),
+# - g = the slots for generated tokens: the R - 1 fed tokens (the last sampled token is never fed, so its KV is
+#   never stored) for prefill-time policies; 1 for H2O, which writes the new token into one spare slot and evicts
+#   back to the budget every step; N for SnapKV re-compressing every N steps (min(N, R - 1)).
+# `kv/bytes_peak_dense` is a DynamicCache fed the same P + R - 1 columns, padding columns included (P is the padded
+# prompt width, the widest prompt). Every slot holds the same L * 2 (K and V) * N * Hkv * D float32 numbers, so
+#     bytes / dense bytes = (k + g) / (P + R - 1),  i.e. (k + R - 1) / (P + R - 1) for prefill-time eviction.
+def slot_bytes(model, rows):
+    """Bytes of one cache column over the whole batch: L layers x (K, V) x rows x Hkv x D x 4 (float32)."""
+    config = model.config
+    return config.num_hidden_layers * 2 * rows * config.num_key_value_heads * config.head_dim * 4
+
+
+# the fixture's rollouts: c = 0.5, P = 48 (the widest prompt), R = 10, so P + R - 1 = 57 columns; k = ceil(24) = 24
+KV_SLOTS = {"none": 48 + 9, "snapkv": 24 + 9, "recent": 24 + 9, "random": 24 + 9, "knorm": 24 + 9, "h2o": 24 + 1,
+            "snapkv_recompress": 24 + 4}
+
+
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_kv_bytes_follow_the_kept_fraction(rollouts, name):
+def test_kv_bytes_follow_the_budget(model, rollouts, name):
     stats = rollouts[name].stats
+    assert stats["rollout/steps"] == R
+    dense_columns = 48 + R - 1
+    assert stats["kv/bytes_peak_dense"] == pytest.approx(dense_columns * slot_bytes(model, 4), rel=0.03)
+    assert stats["kv/bytes_peak"] == pytest.approx(KV_SLOTS[name] * slot_bytes(model, 4), rel=0.03)
     ratio = stats["kv/bytes_peak"] / stats["kv/bytes_peak_dense"]
-    assert abs(ratio - stats["kv/kept_fraction"]) <= 0.1, (name, ratio, stats["kv/kept_fraction"])
-    if name != "none":
-        assert ratio < 0.75 and stats["kv/kept_fraction"] < 0.75
+    assert ratio == pytest.approx(KV_SLOTS[name] / dense_columns, rel=0.03), (name, ratio)
+
+
+@pytest.mark.parametrize(
+    "policy, compression, kept, growth",
+    [
+        # prefill-time (SnapKV, sink 2 + window 6 = 8): g = R - 1 = 9
+        ("snapkv", 0.2, 39, 9),  # ceil(0.8 * 48 = 38.4) = 39
+        ("snapkv", 0.6, 20, 9),  # ceil(19.2) = 20
+        ("snapkv", 0.9, 8, 9),  # ceil(4.8) = 5, raised to sink + window = 8
+        # decode-time (H2O, sink 0 + window 4): g = 1
+        ("h2o", 0.2, 39, 1),
+        ("h2o", 0.6, 20, 1),
+        ("h2o", 0.9, 5, 1),  # ceil(4.8) = 5 > sink + window
+    ],
+)
+def test_kv_bytes_at_several_compressions(model, prompts, policy, compression, kept, growth):
+    make = {"snapkv": lambda c: SnapKV(compression=c, sink=2, window=6, kernel=3), "h2o": lambda c: H2O(compression=c, sink=0, window=4)}
+    batch = generate(model, prompts, policy=make[policy](compression), max_new_tokens=R, generator=torch.Generator().manual_seed(7),
+                     eos_token_id=-1, pad_token_id=0)  # no eos: every row runs all R steps
+    stats, P = batch.stats, max(len(p) for p in prompts)
+    assert P == batch.prompt_length == 48 and stats["rollout/steps"] == R
+    want = (kept + growth) / (P + R - 1)
+    ratio = stats["kv/bytes_peak"] / stats["kv/bytes_peak_dense"]
+    assert ratio == pytest.approx(want, rel=0.03), (policy, compression, ratio, want)
+    assert stats["kv/bytes_peak"] == pytest.approx((kept + growth) * slot_bytes(model, len(prompts)), rel=0.03)
 
 
 def test_dense_rollout_has_no_mask_and_matches_the_dense_learner(model, prompts):

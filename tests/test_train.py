@@ -2,6 +2,8 @@
 its provenance, metrics and summary."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +17,19 @@ from smd_cli.stages import train
 from smd_cli.stages.common import ConfigError
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
+REPO = Path(__file__).resolve().parents[1]  # the repository whose code runs (smd_cli is imported from it)
 TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=8",
             "task.prompt_tokens=48", "model.warmstart.steps=5", "progress=false"]
+
+
+def git_commit_of_work_tree() -> str:
+    """`git rev-parse HEAD` of this repository, plus `+dirty` exactly when a tracked file has changes."""
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+    sha = git("rev-parse", "HEAD")
+    assert len(sha) == 40 and all(c in "0123456789abcdef" for c in sha), sha
+    return sha + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def compose_train(tmp_path, *overrides):
@@ -29,7 +42,7 @@ def compose_train(tmp_path, *overrides):
     "override, message",
     [
         ("grpo.num_generations=1", "grpo.num_generations=1 is not allowed: an integer >= 2"),
-        ("optim.lr=-0.001", "optim.lr=-0.001 is not allowed: a learning rate > 0"),
+        ("optim.lr=-0.001", "optim.lr=-0.001 is not allowed: a finite learning rate > 0"),
         ("grpo.loss_agg=sum", "grpo.loss_agg='sum' is not allowed: token_mean or seq_mean_token_mean"),
         ("compression=1.5", "compression=1.5 is not allowed: a fraction in [0, 1)"),
         ("sampling.temperature=0", "sampling.temperature=0 is not allowed: > 0"),
@@ -65,6 +78,7 @@ def test_a_grpo_step_changes_the_parameters(tiny_model, tiny_tokenizer):
 @pytest.mark.slow
 def test_short_dense_run_writes_everything(tmp_path):
     cfg = compose_train(tmp_path, *TINY_RUN)
+    tree_before = git_commit_of_work_tree()
     summary = train.run(cfg)
     run = tmp_path / "run"
     assert {"config.json", "provenance.json", "metrics.jsonl", "summary.json"} <= {p.name for p in run.iterdir()}
@@ -76,7 +90,10 @@ def test_short_dense_run_writes_everything(tmp_path):
     assert saved["eval/reward_before"] == summary["eval/reward_before"]
     assert 0.0 <= saved["eval/reward_after"] <= 1.0
     provenance = json.loads((run / "provenance.json").read_text())
-    assert provenance["git_commit"] and provenance["versions"]["torch"] == torch.__version__.split("+")[0] or provenance["versions"]["torch"]
+    assert provenance["versions"]["torch"] == torch.__version__
+    # the commit that ran, computed here independently; the work tree may change while the run goes on (other
+    # edits), so the state before and the state after the run are both accepted, and nothing else
+    assert provenance["git_commit"] in {tree_before, git_commit_of_work_tree()}, (provenance["git_commit"], tree_before)
     assert json.loads((run / "config.json").read_text())["grpo"]["num_generations"] == 4
     # the warm start is cached: a second run reuses it
     assert any((tmp_path / "cache" / "warmstart").iterdir())
