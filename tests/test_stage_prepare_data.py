@@ -121,3 +121,28 @@ def test_errors_name_the_field_file_or_key(tmp_path, gsm8k_files):
         stage.run(config(tmp_path, "splits=[]"))
     with pytest.raises(ConfigError, match="model.name_or_path='/no/such/model': could not load its tokenizer"):
         stage.run(config(tmp_path, "model=qwen3_4b", "model.name_or_path=/no/such/model", "limit=2"))
+
+
+def test_threads_accepted_like_every_stage(tmp_path):
+    import torch
+
+    before = torch.get_num_threads()
+    try:
+        summary = stage.run(config(tmp_path, "threads=1", "task.prompt_tokens=16", "limit=2", "splits=[test]"))
+        assert summary["splits"]["test"]["n"] == 2 and torch.get_num_threads() == 1
+        assert json.loads((tmp_path / "run" / "config.json").read_text())["threads"] == 1
+    finally:
+        torch.set_num_threads(before)
+    assert config(tmp_path).threads is None  # default: torch's own
+    with pytest.raises(ConfigError, match=r"threads=0 is not allowed: null \(torch's default\) or an integer >= 1"):
+        stage.run(config(tmp_path, "threads=0"))
+
+
+def test_cheap_checks_before_the_tokenizer_and_the_data(tmp_path, gsm8k_files):
+    # an unknown split is named before the (missing) tokenizer is looked for
+    with pytest.raises(ConfigError, match=r"task=gsm8k split 'validation': gsm8k has splits \['train', 'test'\], not 'validation'"):
+        stage.run(config(tmp_path, "task=gsm8k", gsm8k_files, "splits=[validation]", "model=qwen3_4b",
+                         "model.name_or_path=/no/such/model"))
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(ConfigError, match=r"out_dir='.*a_file' is not allowed: a folder \(this path is an existing file\)"):
+        stage.run(config(tmp_path, f"out_dir={tmp_path / 'a_file'}", "limit=2"))

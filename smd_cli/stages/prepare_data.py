@@ -17,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import build_task, check, console, load_examples, load_tokenizer, start_run
+from smd_cli.stages.common import ConfigError, build_task, check, console, load_examples, load_tokenizer, start_run
 from smd_cli.tasks.loading import length_stats, prompt_records
 
 CHUNK = 256  # examples per progress-bar update
@@ -31,6 +31,16 @@ def validate(cfg: DictConfig) -> None:
     check(splits is None or len(set(splits)) == len(splits), "splits", splits, "each split at most once")
     check(cfg.limit is None or (isinstance(cfg.limit, int) and cfg.limit >= 1), "limit", cfg.limit, "null (all) or an integer >= 1")
     check(cfg.out_dir is None or (isinstance(cfg.out_dir, str) and cfg.out_dir), "out_dir", cfg.out_dir, "null (the run directory) or a path")
+    check(cfg.out_dir is None or not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), "out_dir", cfg.out_dir,
+          "a folder (this path is an existing file)")
+
+
+def check_splits(task, splits: list[str]) -> None:
+    """Each split exists for the task, checked before the tokenizer or any data is loaded."""
+    known = getattr(task, "splits", None)
+    for split in splits:
+        if known is not None and split not in known:
+            raise ConfigError(f"task={task.name} split {split!r}: {task.name} has splits {list(known)}, not {split!r}")
 
 
 def records_with_progress(task, examples: list[dict], tokenizer, bar: Progress, job) -> list[dict]:
@@ -51,13 +61,14 @@ def split_summary(rows: list[dict], path: Path) -> dict:
 
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
-    run_ = start_run(cfg)
+    run_ = start_run(cfg)  # also checks and applies `threads`, `seed`, `device`
     task = build_task(cfg)
-    tokenizer = load_tokenizer(cfg)
     splits = list(cfg.splits) if cfg.splits is not None else list(dict.fromkeys([task.train_split, task.test_split]))
+    check_splits(task, splits)  # cheap checks first; then the tokenizer and the data, all before writing
+    tokenizer = load_tokenizer(cfg)
+    examples = {split: load_examples(task, split, cfg.limit) for split in splits}
     out_dir = Path(cfg.out_dir) if cfg.out_dir is not None else run_.dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    examples = {split: load_examples(task, split, cfg.limit) for split in splits}  # all checked before writing
     summary = {"task": task.name, "tokenizer": cfg.model.tokenizer or cfg.model.name_or_path or "tiny",
                "chat_template": bool(getattr(tokenizer, "chat_template", None)),
                "max_prompt_tokens": getattr(task, "max_prompt_tokens", None), "splits": {}}

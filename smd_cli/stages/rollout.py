@@ -18,7 +18,7 @@ from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.stages.common import build_policy, build_task, check, console, load_model, print_metrics, start_run
+from smd_cli.stages.common import build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
 
 
 def validate(cfg: DictConfig) -> None:
@@ -82,7 +82,7 @@ def run(cfg: DictConfig) -> dict:
     policy = build_policy(cfg)
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     G = cfg.num_generations
-    examples = [e for e in task.examples(cfg.split, limit=cfg.num_prompts) for _ in range(G)]
+    examples = [e for e in load_examples(task, cfg.split, cfg.num_prompts) for _ in range(G)]
     prompts = [task.encode_prompt(e, tokenizer) for e in examples]
     console.print(f"rollout: {len(prompts)} rows ({cfg.num_prompts} prompts x {G}), eviction={policy!r}")
     batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,

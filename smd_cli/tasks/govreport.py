@@ -8,10 +8,11 @@ request (repeated so that the end of the prompt, which SnapKV's observation wind
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from smd_cli.metrics import ROUGE_L, ROUGE_LSUM, rouge
 from smd_cli.tasks.base import Example
+from smd_cli.tasks.datafiles import FieldTypes
 from smd_cli.tasks.loading import HubTask
 
 INSTRUCTION = "Below is a report by a U.S. government agency. Read it and write a one-page summary of it."
@@ -26,7 +27,7 @@ class GovReport(HubTask):
     hub_config = "document"
     splits = ("train", "validation", "test")
     train_split, test_split = "train", "test"
-    required_fields = ("report", "summary")
+    field_types: ClassVar[FieldTypes] = {"report": str, "summary": str}
     metric_list = (ROUGE_L, ROUGE_LSUM)
 
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:

@@ -8,10 +8,11 @@ The prompt asks for the dataset's own `#### N` final line so the strict extracti
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from smd_cli.metrics import GSM8K_ACCURACY, GSM8K_ACCURACY_MATH_VERIFY, extract_gsm8k_answer
 from smd_cli.tasks.base import Example
+from smd_cli.tasks.datafiles import FieldTypes
 from smd_cli.tasks.loading import HubTask
 
 INSTRUCTION = (
@@ -28,7 +29,7 @@ class GSM8K(HubTask):
     hub_config = "main"
     splits = ("train", "test")
     train_split, test_split = "train", "test"
-    required_fields = ("question", "answer")
+    field_types: ClassVar[FieldTypes] = {"question": str, "answer": str}
     metric_list = (GSM8K_ACCURACY,)
 
     def __init__(self, math_verify: bool = False, **kwargs):
@@ -44,7 +45,7 @@ class GSM8K(HubTask):
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:
         reference = extract_gsm8k_answer(row["answer"])
         if reference is None:
-            raise ValueError(f"gsm8k row {fallback_id}: field 'answer' holds no final number: {row['answer'][-80:]!r}")
+            raise ValueError(f"field 'answer' holds no final '#### N' number: {row['answer'][-80:]!r}")
         example = {"id": fallback_id, "question": row["question"], "solution": row["answer"], "reference": reference}
         example["prompt"] = self.build_prompt(example, "")
         return example

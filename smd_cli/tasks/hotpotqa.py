@@ -10,10 +10,11 @@ after the paragraphs, and truncation cuts the end of the paragraphs only.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 from smd_cli.metrics import HOTPOT_EM, HOTPOT_F1
 from smd_cli.tasks.base import Example
+from smd_cli.tasks.datafiles import FieldTypes, check_type, describe
 from smd_cli.tasks.loading import HubTask
 
 INSTRUCTION = "Answer the question using the passages below. Reply with the answer only, in a few words."
@@ -23,8 +24,20 @@ _ANSWER_PREFIX = re.compile(r"^\s*(final answer|answer)\s*[:\-]\s*", re.IGNORECA
 def format_context(context: Any, row_id: str) -> str:
     """The ten paragraphs as `Passage i: title` followed by the joined sentences."""
     if not isinstance(context, dict) or "title" not in context or "sentences" not in context:
-        raise KeyError(f"hotpotqa row {row_id}: field 'context' must be {{title: [...], sentences: [[...]]}}")
+        raise KeyError(f"hotpotqa row {row_id}: field 'context' must be {{title: [...], sentences: [[...]]}}, "
+                       f"found {describe(context)}")
     titles, sentences = context["title"], context["sentences"]
+    try:
+        check_type(titles, list, "context.title")
+        check_type(sentences, list, "context.sentences")
+        for i, title in enumerate(titles):
+            check_type(title, str, f"context.title[{i}]")
+        for i, paragraph in enumerate(sentences):
+            check_type(paragraph, list, f"context.sentences[{i}]")
+            for j, sentence in enumerate(paragraph):
+                check_type(sentence, str, f"context.sentences[{i}][{j}]")
+    except ValueError as err:
+        raise ValueError(f"hotpotqa row {row_id}: {err}") from None
     if len(titles) != len(sentences):
         raise ValueError(f"hotpotqa row {row_id}: context has {len(titles)} titles but {len(sentences)} paragraphs")
     return "\n\n".join(
@@ -40,7 +53,7 @@ class HotpotQA(HubTask):
     hub_config = "distractor"
     splits = ("train", "validation")
     train_split, test_split = "train", "validation"
-    required_fields = ("question", "answer", "context")
+    field_types: ClassVar[FieldTypes] = {"question": str, "answer": str, "context": dict}
     metric_list = (HOTPOT_F1, HOTPOT_EM)
 
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:

@@ -1,7 +1,11 @@
 """Loading the paper's datasets (Hub or local files of the Hub schema) and fitting prompts to a budget.
 
-`load_split` reads a split through `datasets.load_dataset`: the Hub id by default, or local
-jsonl/json/parquet files (`data_files`) that follow the same schema, so runs and tests work offline.
+`load_split` reads a split: the Hub id through `datasets.load_dataset` by default, or local
+jsonl/json/parquet files (`data_files`) that follow the same schema, read row by row (`datafiles.py`) so
+runs and tests work offline and a bad line is named. Each row is checked for the task's fields and their
+types (`HubTask.field_types`): an error names the file, the line (or row), the field, the type found and
+the type expected, as a ValueError (or KeyError for a missing field) that the stages turn into one
+`config error:` line.
 `HubTask` is the shared base of the four paper tasks: it holds the loading arguments and truncates the
 document part of a prompt (never the instruction or the question) to `max_prompt_tokens` tokens of the
 tokenizer actually used.
@@ -12,10 +16,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from smd_cli.metrics import Metric
 from smd_cli.tasks.base import Example, Task, mean, stderr
+from smd_cli.tasks.datafiles import DataFileError, FieldTypes, check_fields, read_rows
 
 DataFiles = str | Path | Sequence[str | Path] | Mapping[str, Any] | None
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -46,60 +51,93 @@ def load_split(
     hub_id: str,
     config: str | None,
     split: str,
-    required: Sequence[str],
+    required: Sequence[str] | FieldTypes,
     data_files: DataFiles = None,
     limit: int | None = None,
 ) -> list[Example]:
-    """Rows of one split as dicts, checked for the `required` fields and for being non-empty."""
-    import datasets
+    """Rows of one split as dicts, checked for the `required` fields (names, or names -> types) and for
+    being non-empty."""
+    return load_rows(hub_id, config, split, required, data_files, limit)[0]
 
+
+def load_rows(
+    hub_id: str,
+    config: str | None,
+    split: str,
+    required: Sequence[str] | FieldTypes,
+    data_files: DataFiles = None,
+    limit: int | None = None,
+) -> tuple[list[Example], list[str]]:
+    """(rows, where each row is: `FILE, line N` or `HUB_ID split S row index I`) of one split."""
+    field_types: FieldTypes = required if isinstance(required, Mapping) else {f: object for f in required}
     if data_files is None:
-        source = f"{hub_id}" + (f" (config {config})" if config else "") + f" split {split!r}"
-        try:
-            ds = datasets.load_dataset(hub_id, config, split=split)
-        except Exception as err:  # re-raised with the way out named
-            raise RuntimeError(
-                f"could not load {source} from the Hub ({type(err).__name__}: {err}); "
-                "give local files of the same schema with task.data_files=..."
-            ) from err
+        rows, where, source, columns = _hub_rows(hub_id, config, split, limit)
     else:
         paths = _files_for_split(data_files, split)
+        _builder(paths)  # every file of one known kind
         for p in paths:
             if not p.is_file():
                 raise FileNotFoundError(f"task.data_files: no such file {str(p)!r} (split {split!r})")
             if p.stat().st_size == 0:
                 raise ValueError(f"task.data_files: file {str(p)!r} is empty (split {split!r})")
         source = f"{[str(p) for p in paths]} split {split!r}"
-        try:
-            ds = datasets.load_dataset(_builder(paths), data_files={split: [str(p) for p in paths]}, split=split)
-        except ValueError as err:  # `datasets` words an all-blank file as 'Instruction ... corresponds to no data'
-            if "corresponds to no data" in str(err):
-                raise ValueError(f"{source} is empty (no rows in the file)") from err
-            raise
-    missing = [f for f in required if f not in ds.column_names]
+        rows, where = [], []
+        for p in paths:
+            more, places = read_rows(p, None if limit is None else limit - len(rows))
+            rows += more
+            where += places
+            if limit is not None and len(rows) >= limit:
+                break
+        if not rows:
+            raise ValueError(f"{source} is empty (no rows in the file)")
+        columns = list(dict.fromkeys(k for row in rows for k in row))
+    missing = [f for f in field_types if f not in columns]
     if missing:
-        raise KeyError(f"{source}: missing field(s) {missing}; the rows have {ds.column_names}")
-    if len(ds) == 0:
+        raise KeyError(f"{source}: missing field(s) {missing}; the rows have {columns}")
+    if not rows:
         raise ValueError(f"{source} is empty")
+    for row, place in zip(rows, where):
+        check_fields(row, place, field_types)
+    return rows, where
+
+
+def _hub_rows(hub_id: str, config: str | None, split: str, limit: int | None):
+    import datasets
+
+    source = f"{hub_id}" + (f" (config {config})" if config else "") + f" split {split!r}"
+    try:
+        ds = datasets.load_dataset(hub_id, config, split=split)
+    except Exception as err:  # re-raised with the way out named
+        raise RuntimeError(
+            f"could not load {source} from the Hub ({type(err).__name__}: {err}); "
+            "give local files of the same schema with task.data_files=..."
+        ) from err
+    columns = list(ds.column_names)
     if limit is not None:
         ds = ds.select(range(min(limit, len(ds))))
-    return ds.to_list()
+    return ds.to_list(), [f"{source} row index {i}" for i in range(len(ds))], source, columns
 
 
 class HubTask(Task):
     """A paper task: a Hub dataset (or local files of its schema) and a prompt with an optional document.
 
-    Subclasses set `hub_id`, `hub_config`, `splits` and `required_fields`, and implement `to_example`
-    (one raw row -> an example with `id`, `prompt`, `reference`, and `document` when the prompt embeds
-    one) and `build_prompt(example, document)`. `paper` holds the paper-scale training settings of
-    `conf/task/*.yaml` for the record; the task itself does not use them.
+    Subclasses set `hub_id`, `hub_config`, `splits` and `field_types` (the schema's required fields and
+    their types, checked on every row before `to_example`), and implement `to_example` (one raw row ->
+    an example with `id`, `prompt`, `reference`, and `document` when the prompt embeds one) and
+    `build_prompt(example, document)`. An error of `to_example` is re-raised naming the file and line of
+    the row. `paper` holds the paper-scale training settings of `conf/task/*.yaml` for the record; the
+    task itself does not use them.
     """
 
     hub_id: str = ""
     hub_config: str | None = None
     splits: tuple[str, ...] = ("train", "test")
-    required_fields: tuple[str, ...] = ()
+    field_types: ClassVar[FieldTypes] = {}
     metric_list: tuple[Metric, ...] = ()  # reported by `metrics`; the first is the reward
+
+    @property
+    def required_fields(self) -> tuple[str, ...]:
+        return tuple(self.field_types)
 
     def __init__(
         self,
@@ -118,8 +156,14 @@ class HubTask(Task):
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         if split not in self.splits:
             raise ValueError(f"{self.name} has splits {list(self.splits)}, not {split!r}")
-        rows = load_split(self.hub_id, self.hub_config, split, self.required_fields, self.data_files, limit)
-        return [self.to_example(row, f"{self.name}-{split}-{i}") for i, row in enumerate(rows)]
+        rows, where = load_rows(self.hub_id, self.hub_config, split, self.field_types, self.data_files, limit)
+        examples = []
+        for i, (row, place) in enumerate(zip(rows, where)):
+            try:
+                examples.append(self.to_example(row, f"{self.name}-{split}-{i}"))
+            except (KeyError, TypeError, ValueError) as err:  # named with the row's place, never a bare traceback
+                raise DataFileError(f"{place}: {err.args[0] if err.args else type(err).__name__}") from err
+        return examples
 
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:
         raise NotImplementedError

@@ -7,10 +7,11 @@ truncation (which cuts the end of the post) keeps both the instruction and the c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from smd_cli.metrics import ROUGE_L, ROUGE_LSUM, rouge
 from smd_cli.tasks.base import Example
+from smd_cli.tasks.datafiles import FieldTypes
 from smd_cli.tasks.loading import HubTask
 
 INSTRUCTION = "Summarize the following Reddit post in one short sentence."
@@ -25,7 +26,7 @@ class TLDR(HubTask):
     hub_config = None
     splits = ("train", "validation", "test")
     train_split, test_split = "train", "test"
-    required_fields = ("prompt", "completion")
+    field_types: ClassVar[FieldTypes] = {"prompt": str, "completion": str}
     metric_list = (ROUGE_L, ROUGE_LSUM)
 
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:
