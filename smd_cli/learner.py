@@ -2,14 +2,16 @@
 
 | algo          | learner view            | pi_old in the ratio              | correction                       |
 |---------------|-------------------------|----------------------------------|----------------------------------|
-| dense         | dense                   | dense recompute (no grad)        | none                             |
-| naive_sparse  | dense                   | dense recompute (no grad)        | none (the bias, made visible)    |
-| sparse_rl     | dense                   | dense recompute (no grad)        | Sparse-RL weights, rejection     |
-| tis           | dense                   | dense recompute (no grad)        | min(pi_old / pi_rollout, C)      |
+| dense         | dense                   | the first pass's own, detached   | none                             |
+| naive_sparse  | dense                   | the first pass's own, detached   | none (the bias, made visible)    |
+| sparse_rl     | dense                   | the first pass's own, detached   | Sparse-RL weights, rejection     |
+| tis           | dense                   | the first pass's own, detached   | min(pi_old / pi_rollout, C)      |
 | smd           | shadow mask (= sampler) | the sampler's own log-probs      | + lambda KL(sg[dense] || shadow) |
 
-Every algorithm runs one no-grad dense forward besides the learner's: the old-policy recompute, or for
-SMD the dense teacher. That is why SMD costs about what naive sparse costs (DESIGN.md contract 5). The
+pi_old is the policy before the step's first update, so the dense-view algorithms read it off their first
+forward (no recompute; Sparse-RL over several micro-batches excepted, whose rejections must be known before
+any micro-batch's loss). SMD's one extra pass is its no-grad dense teacher, so SMD costs naive sparse plus
+one no-grad forward (DESIGN.md contract 5). The
 reference policy of the KL term (`beta > 0`) is scored in the learner's own view, so that the KL is zero
 at theta = ref for SMD too. Forwards return hidden states; everything over the vocabulary (log-probs,
 entropy, SMD's KL) is computed in chunks (`smd_cli.scoring`), so no [N, R, V] tensor is ever held.
@@ -80,6 +82,22 @@ def _logprobs(model, batch: RolloutBatch, parts: list[slice], algo: Algorithm, s
                                   chunk=algo.logits_chunk)["logp"] for s in parts])
 
 
+def _corrections(algo: Algorithm, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> tuple:
+    """(weights, keep, statistics) of a dense-view algorithm's off-policy correction, given pi_old."""
+    if algo.name == "sparse_rl":
+        weights, kept, stats = sparse_rl_weights(old, sampler, mask, **algo.sparse_rl)
+        return weights, kept.float(), stats
+    if algo.name == "tis":
+        weights, stats = tis_weights(old, sampler, mask, algo.tis_cap)
+        return weights, mask.clone(), stats
+    return torch.ones_like(mask), mask.clone(), {}
+
+
+def _skipped(metrics: dict, dense_logp: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict:
+    """Every token rejected (Sparse-RL): nothing to learn from, no update; the caller counts the skip."""
+    return {**metrics, **mismatch_stats("mismatch/dense_", dense_logp, sampler, mask), "learner/skipped_empty_batch": 1.0}
+
+
 def _trainable(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -97,29 +115,24 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     head = model.get_output_embeddings()
     metrics: dict[str, float] = {}
 
-    # The one no-grad dense pass: pi_old up front for the dense-learner algorithms; for SMD the teacher,
-    # computed inside the loop (its hidden states, per micro-batch).
-    dense_logp = None if smd else _logprobs(model, batch, parts, algo, shadow=False)
-    old = sampler if smd else dense_logp
+    # pi_old is the policy before this step's first update, which is exactly the first pass's own forward:
+    # the dense-view algorithms take it from there, detached (as TRL does), with no extra forward. Only
+    # Sparse-RL over several micro-batches scores it up front, since its rejections set every micro-batch's
+    # loss normaliser. SMD's pi_old is the sampler's (its view is the sampler's); its one no-grad pass is the
+    # dense teacher, per micro-batch inside the loop.
+    upfront = algo.name == "sparse_rl" and len(parts) > 1
+    old = sampler if smd else _logprobs(model, batch, parts, algo, shadow=False) if upfront else None
     weights, keep = torch.ones_like(mask), mask.clone()
-    if algo.name == "sparse_rl":
-        weights, kept, stats = sparse_rl_weights(dense_logp, sampler, mask, **algo.sparse_rl)
-        keep = kept.float()
-        metrics.update(stats)
-    elif algo.name == "tis":
-        weights, stats = tis_weights(dense_logp, sampler, mask, algo.tis_cap)
+    if upfront:
+        weights, keep, stats = _corrections(algo, old, sampler, mask)
         metrics.update(stats)
     ref_logp = None
     if algo.beta > 0:
         if ref_model is None:
             raise ValueError("grpo.beta > 0 needs a reference model")
         ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=smd)  # the learner's own view
-
-    total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
-    if total_tokens == 0:  # every token rejected (Sparse-RL): nothing to learn from; the caller counts the skip
-        if dense_logp is not None:
-            metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
-        return {**metrics, "learner/skipped_empty_batch": 1.0}
+    if upfront and keep.sum() == 0:
+        return _skipped(metrics, old, sampler, mask)
 
     # Gradients left by earlier code (e.g. the warm start) must not leak in. They are zeroed, not freed: kept
     # from one step to the next, backward adds into them in place (no second copy of the largest tensor).
@@ -128,6 +141,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0
     view_logp, teacher_logp = [], []
+    total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
     for iteration in range(algo.num_iterations):
         for s in parts:
             teacher = None
@@ -137,7 +151,18 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             hidden = _hidden(model, batch, s, algo, shadow=smd)
             terms = vocab_terms(head, hidden, tokens[s], batch.response_mask[s], algo.temperature, teacher, algo.logits_chunk)
             logp = terms["logp"]
-            per_tok, clip = clipped_surrogate(logp, old[s], advantages[s], algo.epsilon, algo.epsilon_high)
+            if iteration == 0:
+                view_logp.append(logp.detach())
+                if old is None:  # this pass is pi_old; its corrections follow from it
+                    weights[s], keep[s], _ = _corrections(algo, view_logp[-1], sampler[s], mask[s])
+                    if algo.name == "sparse_rl":  # one micro-batch: the normaliser is known only now
+                        total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
+                        if total_tokens == 0:
+                            model.eval()
+                            return _skipped({**metrics, **_corrections(algo, view_logp[-1], sampler, mask)[2]},
+                                            view_logp[-1], sampler, mask)
+            old_s = old[s] if old is not None else view_logp[-1]
+            per_tok, clip = clipped_surrogate(logp, old_s, advantages[s], algo.epsilon, algo.epsilon_high)
             policy = aggregate(per_tok * weights[s], keep[s], algo.loss_agg, total_tokens, total_seqs)
             loss, kl_ref, distill = policy, torch.zeros(()), torch.zeros(())
             if ref_logp is not None:
@@ -156,10 +181,13 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             low += float((clip["low"] & k).sum()) / algo.num_iterations
             high += float((clip["high"] & k).sum()) / algo.num_iterations
             if iteration == 0:
-                view_logp.append(logp.detach())
                 ent += float((terms["entropy"] * mask[s]).sum())
             for key, value in (("loss", loss), ("loss/policy", policy), ("loss/kl_ref", kl_ref), ("loss/distill", distill)):
                 sums[key] += float(value.detach()) / algo.num_iterations
+        if old is None:
+            old = torch.cat(view_logp)
+            if not smd and not upfront:
+                metrics.update(_corrections(algo, old, sampler, mask)[2])  # statistics over the whole batch
         grad_norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)
         if not math.isfinite(float(grad_norm)):
             optimizer.zero_grad(set_to_none=True)
@@ -168,9 +196,9 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         optimizer.zero_grad(set_to_none=False)
     model.eval()
 
+    # the dense learner's mismatch on these rollouts: SMD's teacher, or the dense view itself
+    dense_logp = torch.cat(teacher_logp) if teacher_logp else None if smd else old
     metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
-    if teacher_logp:
-        dense_logp = torch.cat(teacher_logp)
     if dense_logp is not None:
         metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
     metrics.update(sums)
