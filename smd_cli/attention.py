@@ -12,10 +12,17 @@ recompute receives again:
 | `shadow=Replay`              | the learner's replay of a shadow mask (`smd_cli.shadow`)              |
 | neither                      | dense causal attention with left padding (`smd_cli.kernels`)          |
 
+and, for SMD's dense teacher (`smd_cli.scoring.shadow_and_teacher_hidden`), which runs only the response
+rows: `prompt_tap=PromptTap` on a replay makes the layer hand over its prompt keys and values once (armed per
+layer, so a checkpoint recompute does not), and `prompt_kv=(key, value)` puts them in front of the
+response rows' own keys for a dense pass over the whole sequence.
+
 The registered mask function hands the 2-D padding mask [B, S] through unchanged: no [T, T] mask is built.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
@@ -42,6 +49,19 @@ def dense(query, key, value, attention_mask: torch.Tensor | None, scaling: float
     return kernels.grouped(query, key, value, mask, scaling)
 
 
+@dataclass
+class PromptTap:
+    """The prompt keys and values [B, Hkv, P, D] of the layer that last ran armed (detached: no gradient)."""
+
+    prompt_length: int
+    armed: bool = False
+    kv: tuple | None = None
+
+    def take(self) -> tuple:
+        kv, self.kv = self.kv, None
+        return kv
+
+
 def smd_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature; returns ([B, q, H, D], None)."""
     if dropout:
@@ -50,7 +70,14 @@ def smd_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if kwargs.get("rollout_state") is not None:
         out = rollout_attention(module.layer_idx, query, key, value, scaling, kwargs["rollout_state"])
     elif kwargs.get("shadow") is not None:
+        tap = kwargs.get("prompt_tap")
+        if tap is not None and tap.armed:
+            P = tap.prompt_length
+            tap.kv, tap.armed = (key[:, :, :P].detach(), value[:, :, :P].detach()), False
         out = replay(module.layer_idx, query, key, value, scaling, kwargs["shadow"])
+    elif kwargs.get("prompt_kv") is not None:
+        prompt_key, prompt_value = kwargs["prompt_kv"]
+        out = dense(query, torch.cat([prompt_key, key], 2), torch.cat([prompt_value, value], 2), attention_mask, scaling)
     else:
         out = dense(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

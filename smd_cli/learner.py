@@ -10,8 +10,9 @@
 
 pi_old is the policy before the step's first update, so the dense-view algorithms read it off their first
 forward (no recompute; Sparse-RL over several micro-batches excepted, whose rejections must be known before
-any micro-batch's loss). SMD's one extra pass is its no-grad dense teacher, so SMD costs naive sparse plus
-one no-grad forward (DESIGN.md contract 5). The
+any micro-batch's loss). SMD's one extra pass is its no-grad dense teacher, which runs only the response
+rows, layer by layer beside the replay, on the replay's prompt keys and values (every prompt row is the same
+in both views): SMD costs naive sparse plus R rows of a no-grad forward (DESIGN.md contract 5). The
 reference policy of the KL term (`beta > 0`) is scored in the learner's own view, so that the KL is zero
 at theta = ref for SMD too. Forwards return hidden states; everything over the vocabulary (log-probs,
 entropy, SMD's KL) is computed in chunks (`smd_cli.scoring`), so no [N, R, V] tensor is ever held.
@@ -28,7 +29,7 @@ import torch
 
 from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
 from smd_cli.rollout import RolloutBatch
-from smd_cli.scoring import response_hidden, vocab_terms
+from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden, vocab_terms
 
 ALGORITHMS = ("dense", "naive_sparse", "sparse_rl", "tis", "smd")
 
@@ -145,10 +146,11 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     for iteration in range(algo.num_iterations):
         for s in parts:
             teacher = None
-            if smd and algo.lam > 0:
-                with torch.no_grad():
-                    teacher = _hidden(model, batch, s, algo, shadow=False)  # [n, R, Hd], a constant
-            hidden = _hidden(model, batch, s, algo, shadow=smd)
+            if smd and algo.lam > 0:  # the replay with gradient, and the dense teacher's response rows without
+                hidden, teacher = shadow_and_teacher_hidden(model, batch.input_ids[s], batch.attention_mask[s],
+                                                            batch.prompt_length, batch.evict_at[s], algo.replay_backend)
+            else:
+                hidden = _hidden(model, batch, s, algo, shadow=smd)
             terms = vocab_terms(head, hidden, tokens[s], batch.response_mask[s], algo.temperature, teacher, algo.logits_chunk)
             logp = terms["logp"]
             if iteration == 0:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from smd_cli.attention import use_smd_attention
+from smd_cli.attention import PromptTap, use_smd_attention
 from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
 
 CHUNK_LOGITS = 1 << 23  # logits per vocabulary chunk by default: 32 MiB in float32
@@ -43,6 +43,42 @@ def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                            use_cache=False, **extra)
     return out.last_hidden_state[:, prompt_length - 1 : -1]  # [B, R, Hd]
+
+
+def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at, backend: str = "auto"):
+    """SMD's two views in one pass over the layers: the shadow replay's response hidden states [B, R, Hd] (with
+    autograd, as `response_hidden`) and the dense teacher's [B, R, Hd] (no gradient).
+
+    The teacher costs only its response rows: every prompt row sees the same keys in both views (evictions
+    start after the prefill), so each layer's prompt keys and values are the replay's, handed over by the
+    attention (`PromptTap`) and used at once by the teacher's response rows in that layer, which are the only
+    rows that differ. Memory: one layer's prompt K/V besides the replay's own. Models without the usual
+    decoder layout (`embed_tokens`, `layers`, `norm`, `rotary_emb`) get a full dense teacher forward instead."""
+    backbone, P = model.base_model, prompt_length
+    if not all(hasattr(backbone, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        with torch.no_grad():
+            teacher = response_hidden(model, input_ids, attention_mask, P, None, backend)
+        return response_hidden(model, input_ids, attention_mask, P, evict_at, backend), teacher
+    use_smd_attention(model)
+    check_evict_at(evict_at, input_ids, attention_mask, P)
+    shadow, tap = Replay.of(evict_at, attention_mask, P, backend), PromptTap(P)
+    positions = position_ids_from_mask(attention_mask)
+    hidden = backbone.embed_tokens(input_ids)  # [B, T, Hd]
+    rotary = backbone.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        teacher = backbone.embed_tokens(input_ids[:, P:])  # [B, R, Hd]: the response rows only
+        teacher_rotary = backbone.rotary_emb(teacher, positions[:, P:])
+    for layer in backbone.layers[: model.config.num_hidden_layers]:
+        tap.armed = True
+        hidden = layer(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
+                       shadow=shadow, prompt_tap=tap)
+        with torch.no_grad():
+            teacher = layer(teacher, attention_mask=attention_mask, position_embeddings=teacher_rotary,
+                            position_ids=positions[:, P:], prompt_kv=tap.take())
+    hidden = backbone.norm(hidden)
+    with torch.no_grad():
+        teacher = torch.cat([hidden[:, P - 1 : P].detach(), backbone.norm(teacher)[:, :-1]], 1)  # row P-1 is shared
+    return hidden[:, P - 1 : -1], teacher
 
 
 def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:

@@ -161,15 +161,14 @@ def distill_gradients(model, batch, lam, teacher_constant: bool):
 def test_smd_teacher_is_a_constant(tiny_model, tiny_tokenizer, monkeypatch):
     batch = rollout(tiny_model, tiny_tokenizer, SnapKV(compression=0.5))
     teachers = []
-    hidden_of = learner._hidden
+    both = learner.shadow_and_teacher_hidden
 
-    def recording(model, batch, rows, algo, shadow):
-        out = hidden_of(model, batch, rows, algo, shadow)
-        if not shadow:
-            teachers.append(out)
-        return out
+    def recording(*args):
+        student, teacher = both(*args)
+        teachers.append(teacher)
+        return student, teacher
 
-    monkeypatch.setattr(learner, "_hidden", recording)
+    monkeypatch.setattr(learner, "shadow_and_teacher_hidden", recording)
     capture = GradientCapture(tiny_model.parameters())
     # zero advantages: the GRPO term has no gradient, so what reaches the weights is lambda * KL alone
     learner_step(tiny_model, capture, batch, torch.zeros(8), Algorithm("smd", lam=0.5, max_grad_norm=1e9))
@@ -180,6 +179,24 @@ def test_smd_teacher_is_a_constant(tiny_model, tiny_tokenizer, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-7, rtol=1e-4)
     # the comparison can fail: letting the gradient into the teacher changes it
     assert max(float((a - b).abs().max()) for a, b in zip(through_both, constant)) > 1e-5
+
+
+def test_the_response_row_teacher_equals_a_full_dense_forward(tiny_model, tiny_tokenizer):
+    """The teacher runs only the response rows on the replay's prompt keys and values: the same hidden
+    states as a dense forward over the whole sequence (left padding and rows ended early included)."""
+    from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden
+
+    batch = rollout(tiny_model, tiny_tokenizer, SnapKV(compression=0.5))
+    args = (batch.input_ids, batch.attention_mask, batch.prompt_length)
+    student, teacher = shadow_and_teacher_hidden(tiny_model, *args, batch.evict_at)
+    with torch.no_grad():
+        dense = response_hidden(tiny_model, *args)
+        shadow = response_hidden(tiny_model, *args, batch.evict_at)
+    real = batch.response_mask
+    torch.testing.assert_close(teacher[real], dense[real], atol=2e-6, rtol=0)
+    torch.testing.assert_close(student.detach(), shadow, atol=0, rtol=0)
+    assert not teacher.requires_grad and student.requires_grad
+    assert float((teacher - student.detach()).abs()[real].max()) > 1e-3  # the two views differ where eviction bites
 
 
 def with_sampler_ratios(model, batch, rho):
@@ -406,16 +423,15 @@ def run_two_iterations(model, tokenizer, name, micro_batch_size=None, monkeypatc
     want, want_params = reference_iterations(start, model.config, batch, ADVANTAGES, **settings)
     teachers = []
     if monkeypatch is not None:  # record the learner's dense forwards (SMD: the teacher of each iteration)
-        hidden_of = learner._hidden
+        both = learner.shadow_and_teacher_hidden
 
-        def recording(model_, batch_, rows, algo, shadow):
-            out = hidden_of(model_, batch_, rows, algo, shadow)
-            if not shadow:  # its log-probs over the vocabulary, through the head of the weights of this moment
-                with torch.no_grad():
-                    teachers.append(model_.get_output_embeddings()(out).float().log_softmax(-1))
-            return out
+        def recording(model_, *args):
+            student, teacher = both(model_, *args)
+            with torch.no_grad():  # its log-probs over the vocabulary, through the head of the weights of this moment
+                teachers.append(model_.get_output_embeddings()(teacher).float().log_softmax(-1))
+            return student, teacher
 
-        monkeypatch.setattr(learner, "_hidden", recording)
+        monkeypatch.setattr(learner, "shadow_and_teacher_hidden", recording)
     optimizer = RecordingSGD(model.parameters(), lr=LR)
     algo = Algorithm(name, num_iterations=2, epsilon=EPS, epsilon_high=EPS_HIGH, lam=LAM, max_grad_norm=MAX_GRAD_NORM,
                      micro_batch_size=micro_batch_size)
