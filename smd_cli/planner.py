@@ -14,8 +14,9 @@ Three phases, each a sum of named terms (bytes), mirroring what the code allocat
   step's rollouts): the checkpointed layer inputs, one layer recomputed with its gradients, the
   attention (flex on CUDA needs no mask; SDPA on the CPU takes the response rows' mask as float), the
   vocabulary chunk (`smd_cli.scoring`) and the LM head's weight gradients that autograd sums across chunks
-  and with the tied embedding, and SMD's teacher hidden states. Its peak is the largest of three moments:
-  the no-grad forward (pi_old or the teacher), the vocabulary's backward, a layer's backward.
+  and with the tied embedding, and SMD's teacher hidden states. Its peak is the largest of these moments:
+  the vocabulary's backward, a layer's backward, and where there is one, a whole no-grad forward (the
+  reference policy; Sparse-RL's pi_old over several micro-batches) or SMD's teacher rows beside the replay.
 
 The per-token coefficients of the layer terms count the tensors of transformers' Qwen3 layer that are alive
 at once (read off the profiler's live allocations of `bench/plan_check.py`); `tests/test_planner.py` and
@@ -173,15 +174,19 @@ def learner_terms(run: Run) -> dict[str, float]:
     logits = min(run.chunk, n * R) * a.vocab  # one chunk's logits (elements)
     vocab_chunk = logits * (5 * 4.0 + (b if b < 4 else 0))  # its float32 logits, softmax and gradients
     head_grads = 3.0 * a.largest * b  # the LM head's weight gradients, summed across chunks and with the embedding's
-    teacher = n * R * a.hidden * b if smd else 0.0
+    teacher = n * R * a.hidden * b if smd and run.lam > 0 else 0.0
     kept = checkpoints + final + teacher
     moments = {
-        "no-grad forward": final + no_grad_layer(run, n, T) + 3 * 4.0 * logits,
         "vocabulary chunk backward": kept + vocab_chunk,
         "head gradients": kept + 4.0 * logits + head_grads,
         # the LM head's summed gradient waits in autograd's buffer for the tied embedding's
         "layer backward": kept + grad_layer + attention + (a.largest * b if a.tied else 0.0),
     }
+    if run.reference or (run.algo == "sparse_rl" and run.rows > n):  # a whole no-grad pass before the step
+        moments["no-grad forward"] = final + no_grad_layer(run, n, T) + 3 * 4.0 * logits
+    if teacher:  # the teacher's response rows beside the replay, on one layer's prompt keys and values
+        tap = 2.0 * n * a.kv_heads * (T - R) * a.head_dim * b
+        moments["replay with the teacher"] = checkpoints + tap + teacher + no_grad_layer(run, n, R, extra=n * a.heads * R * T * 4.0)
     return {"held": held, "checkpointed inputs": checkpoints, "layer recompute": grad_layer, "attention masks": attention,
             "vocabulary chunk": vocab_chunk, "head gradients": head_grads, "teacher states": teacher,
             **{f"moment: {k}": v for k, v in moments.items()}, "peak": max(moments.values())}
