@@ -31,6 +31,9 @@ test-fast: install ## the suite without the slow end-to-end stage runs
 	$(BIN)/python -m pytest -q -m "not slow"
 
 bench: install ## benchmarks: ratios measured side by side in one run (bench/gpu_check.sh needs a GPU: run it yourself)
+	@# the [bench] extra (TRL, for bench/peer_trl.py), never replacing the installed torch or transformers
+	$(BIN)/python -c 'import torch, transformers; print(f"torch=={torch.__version__}\ntransformers=={transformers.__version__}")' > $(VENV)/bench-constraints.txt
+	$(BIN)/pip install --quiet -c $(VENV)/bench-constraints.txt -e ".[bench]"
 	@for b in $(filter-out bench/gpu_check.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean: ## remove the virtual environment, caches and run directories
