@@ -7,7 +7,9 @@ same checks at tiny shapes on the CPU, which is how the suite tests this script)
 2. one learner step each of naive_sparse and smd on `qwen3_4b_random` (all 36 layers on CUDA) with the gsm8k
    recipe's shapes and fewer rows, bf16 compute with float32 masters, gradient checkpointing: each phase's
    measured peak (CUDA allocator) beside `smd plan`'s prediction.
-3. decode speed: tokens per second of the dense and the evicting (SnapKV) rollout.
+3. decode speed (`bench/decode_speed.py`'s measurement): tokens per second of the dense and the evicting (SnapKV)
+   rollouts against transformers' `generate` with a dynamic and a static cache, same model and shapes; on CUDA
+   also the evicting rollout without CUDA graphs, and the CUDA-graph decode against the eager one, token for token.
 4. optim=adamw8bit: one step with bitsandbytes' 8-bit AdamW over the float32 masters (CUDA only).
 
 Writes OUTDIR/gpu_check.json (every number, and `ok` per check) and exits 1 if a check failed.
@@ -118,22 +120,16 @@ def learner_phases(device, widths, rows, P, R, micro, dtype) -> dict:
     return out
 
 
-def decode_speed(device, widths, dtype, rows, P, R) -> dict:
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(len(tokenizer), seed=0, dtype=dtype, device=device, **widths).eval()
-    prompts = prompts_for(tokenizer, rows, P, len(tokenizer))
-    out = {}
-    for name, policy in (("dense", None), ("snapkv", SnapKV(0.5, sink=4, window=16))):
-        generate(model, prompts, policy=policy, max_new_tokens=4, eos_token_id=-1, pad_token_id=0, measure_dense_kv=False)  # warm-up
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        generate(model, prompts, policy=policy, max_new_tokens=R, eos_token_id=-1, pad_token_id=0, measure_dense_kv=False,
-                 generator=torch.Generator(device=device).manual_seed(0))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        out[f"{name}_tokens_per_second"] = rows * R / (time.perf_counter() - started)
-    out["ok"] = True
+def decode_speed(device, widths, dtype, rows, P, R, repeats) -> dict:
+    from decode_speed import graph_check, measure  # bench/decode_speed.py (this script's folder is on sys.path)
+
+    report = measure(device, shape=widths, dtype=dtype, rows=rows, prompt=P, new=R, repeats=repeats)
+    keys = {name: name.removeprefix("smd ").replace(" ", "_") for name in report["methods"]}  # dense, snapkv, hf_static...
+    out = {f"{keys[name]}_tokens_per_second": row["tokens_per_second"] for name, row in report["methods"].items()}
+    out.update({f"{keys[name]}_over_hf_static": row["ratio_to_hf_static"] for name, row in report["methods"].items()})
+    out["report"] = report
+    out["graph_check"] = graph_check(device, shape={**widths, "num_hidden_layers": min(widths["num_hidden_layers"], 4)})
+    out["ok"] = out["graph_check"]["ok"]
     return out
 
 
@@ -167,7 +163,7 @@ def main() -> None:
             "flex_parity_float32": lambda: flex_parity(device, torch.float32, TINY),
             "flex_parity_bfloat16": lambda: flex_parity(device, torch.bfloat16, TINY),
             "learner_phases": lambda: learner_phases(device, TINY, rows=8, P=96, R=16, micro=4, dtype=torch.float32),
-            "decode_speed": lambda: decode_speed(device, TINY, torch.float32, rows=8, P=128, R=32),
+            "decode_speed": lambda: decode_speed(device, TINY, torch.float32, rows=8, P=128, R=32, repeats=1),
             "adamw8bit": lambda: adamw8bit(device, TINY, torch.float32),
         }
     else:
@@ -176,7 +172,8 @@ def main() -> None:
             "flex_parity_float32": lambda: flex_parity(device, torch.float32, narrow),
             "flex_parity_bfloat16": lambda: flex_parity(device, torch.bfloat16, narrow),
             "learner_phases": lambda: learner_phases(device, QWEN3_4B, rows=16, P=512, R=256, micro=8, dtype=torch.bfloat16),
-            "decode_speed": lambda: decode_speed(device, QWEN3_4B, torch.bfloat16, rows=64, P=512, R=128),
+            "decode_speed": lambda: decode_speed(device, {**QWEN3_4B, "num_hidden_layers": 4}, torch.bfloat16, rows=64, P=512, R=128,
+                                                 repeats=3),
             "adamw8bit": lambda: adamw8bit(device, {**QWEN3_4B, "num_hidden_layers": 4}, torch.bfloat16),
         }
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}

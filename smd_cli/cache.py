@@ -8,8 +8,13 @@ slot of each (row, KV head) in place, so memory stays flat for the whole rollout
 RoPE positions (applied before they reach the cache). Slot order carries no meaning: attention over a set
 of keys does not depend on their order, and the original columns say where each entry came from.
 
+A decode step reads nothing back to the host: the column being decoded and the rows still active live in
+device tensors updated in place (`begin_step`), and a full layer (the policy evicted too little) raises a
+device-side flag that the rollout checks at its periodic host synchronisation (`check_capacity`). So the
+step is fit for CUDA-graph capture: the same kernels on the same tensors at every step.
+
 `kv_bytes` measures what a cache holds from its allocated tensors (storage nbytes), for this cache and
-for transformers' `DynamicCache` alike; `KVMeter` keeps the peak over a rollout.
+for transformers' `DynamicCache` alike; `KVMeter` keeps them per forward of a rollout, for the peak.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class EvictingLayer(CacheLayerMixin):
         self.capacity = int(capacity)
         self.columns: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
+        self.overflow: torch.Tensor | None = None  # [] bool: a write found no free slot (checked by the rollout)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("EvictingLayer is initialised by `fill` after the prefill attention, not lazily")
@@ -47,18 +53,19 @@ class EvictingLayer(CacheLayerMixin):
         self.columns[:, :, :kept] = torch.where(ok, index, FREE).to(torch.int32)
         self.scores = torch.zeros(batch, kv_heads, self.capacity, device=keys.device)
         self.scores[:, :, :kept] = scores.float().masked_fill(~ok, 0.0)
+        self.overflow = torch.zeros((), dtype=torch.bool, device=keys.device)
         self.device, self.is_initialized = keys.device, True
 
-    def update(self, key_states, value_states, column: int | None = None, active: torch.Tensor | None = None, **kwargs):
-        """Write one new token [B, Hkv, 1, D] into the first free slot of each (row, KV head); rows not
-        `active` (finished) write nothing visible. Before `fill`, return the prompt states untouched."""
+    def update(self, key_states, value_states, column: torch.Tensor | None = None, active: torch.Tensor | None = None, **kwargs):
+        """Write one new token [B, Hkv, 1, D] at `column` (a [] long tensor) into the first free slot of each
+        (row, KV head); rows not `active` [B] (finished) write nothing visible. Before `fill`, return the
+        prompt states untouched. No host synchronisation: a layer with no free slot sets `overflow`."""
         if not self.is_initialized:
             return key_states, value_states
         if key_states.shape[2] != 1 or column is None:
             raise ValueError(f"EvictingLayer decodes one token at a time with its column; got {key_states.shape[2]} tokens")
         free = self.columns == FREE  # [B, Hkv, S]
-        if not bool(free.any(dim=-1).all()):
-            raise RuntimeError(f"EvictingLayer is full (capacity {self.capacity}); the policy evicted too little")
+        self.overflow |= ~free.any(dim=-1).all()
         slot = free.int().argmax(dim=-1, keepdim=True)  # [B, Hkv, 1]
         head_dim = key_states.shape[-1]
         self.keys.scatter_(2, slot[..., None].expand(-1, -1, -1, head_dim), key_states)
@@ -82,6 +89,7 @@ class EvictingLayer(CacheLayerMixin):
         return (self.capacity if self.is_initialized else query_length), 0
 
     def get_seq_length(self) -> int:
+        """Most entries held by one (row, KV head): reads the device (not used while decoding)."""
         return int(self.valid().sum(dim=-1).max()) if self.is_initialized else 0
 
     def get_max_length(self) -> int:
@@ -89,19 +97,44 @@ class EvictingLayer(CacheLayerMixin):
 
 
 class EvictingCache(Cache):
-    """`Cache` of `EvictingLayer`s. The rollout sets the column being decoded with `begin_step`."""
+    """`Cache` of `EvictingLayer`s. The rollout sets the column being decoded with `begin_step`: `column` (a
+    Python int, for the host's bookkeeping) and `column_tensor` / `active`, device tensors written in place
+    (the same storage at every step, as a captured CUDA graph needs)."""
 
     def __init__(self, num_layers: int, capacity: int):
         super().__init__(layers=[EvictingLayer(capacity) for _ in range(num_layers)])
         self.column: int | None = None
-        self.active: torch.Tensor | None = None
+        self.column_tensor: torch.Tensor | None = None  # [] long
+        self.active: torch.Tensor | None = None  # [B] bool
 
     def begin_step(self, column: int, active: torch.Tensor) -> None:
         """The next `update` calls write the token at `column`; rows with `active` False [B] stay hidden."""
-        self.column, self.active = int(column), active
+        self.column = int(column)
+        if self.active is None:
+            self.column_tensor = torch.full((), self.column, dtype=torch.long, device=active.device)
+            self.active = active.clone()
+        else:
+            self.column_tensor.fill_(self.column)
+            self.active.copy_(active)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        return self.layers[layer_idx].update(key_states, value_states, column=self.column, active=self.active)
+        return self.layers[layer_idx].update(key_states, value_states, column=self.column_tensor, active=self.active)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """transformers' mask preparation asks for it at every forward; the smd attention does not use it, and
+        the default (`get_seq_length`) would read the device: the column being decoded, from the host."""
+        return self.column if self.layers[layer_idx].is_initialized and self.column is not None else 0
+
+    def overflowed(self) -> torch.Tensor:
+        """[] bool on the device: whether any layer found no free slot for a new token since `fill`."""
+        flags = [layer.overflow for layer in self.layers if layer.is_initialized]
+        return torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool)
+
+    def check_capacity(self) -> None:
+        """Raise if a layer overflowed (reads the device: the rollout calls it at its periodic synchronisation)."""
+        if bool(self.overflowed()):
+            capacity = self.layers[0].capacity
+            raise RuntimeError(f"EvictingLayer is full (capacity {capacity}); the policy evicted too little")
 
     def held_entries(self) -> int:
         """Real entries held now, summed over rows, layers and KV heads."""
@@ -132,15 +165,16 @@ def bookkeeping_bytes(cache: Cache) -> int:
 
 
 class KVMeter:
-    """Peak KV bytes and peak held entries of one cache, observed after every forward of a rollout."""
+    """KV and bookkeeping bytes of one cache after every forward of a rollout (host-side: storage sizes, no
+    device read), so that the peak can be taken over the forwards a rollout keeps (`peaks(forwards)`)."""
 
     def __init__(self):
-        self.bytes_peak = 0
-        self.entries_peak = 0
-        self.bookkeeping_peak = 0
+        self.history: list[tuple[int, int]] = []  # (kv bytes, bookkeeping bytes) per forward
 
     def observe(self, cache: Cache) -> None:
-        self.bytes_peak = max(self.bytes_peak, kv_bytes(cache))
-        self.bookkeeping_peak = max(self.bookkeeping_peak, bookkeeping_bytes(cache))
-        if isinstance(cache, EvictingCache):
-            self.entries_peak = max(self.entries_peak, cache.held_entries())
+        self.history.append((kv_bytes(cache), bookkeeping_bytes(cache)))
+
+    def peaks(self, forwards: int | None = None) -> tuple[int, int]:
+        """Peak KV bytes and peak bookkeeping bytes over the first `forwards` observations (all by default)."""
+        kept = self.history[:forwards] or [(0, 0)]
+        return max(b for b, _ in kept), max(b for _, b in kept)

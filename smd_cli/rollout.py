@@ -7,11 +7,21 @@ written into the shadow mask `evict_at[N, L, Hkv, T]` (DESIGN.md section 2). Wit
 plain dense rollout on a `DynamicCache`. The sampler's log-probs are `log_softmax(logits / temperature)`
 at the sampled token, before top-p filtering (temperature 0 = greedy, scored at temperature 1).
 Keys keep their true RoPE positions: every forward gets the rows' real `position_ids`.
+
+The decode loop reads nothing from the device at a step: entry counts, the cache's capacity check and the
+rows' eos state stay on the device, and the host looks at them once every `sync_every` steps (`SYNC_EVERY` on
+an accelerator; every step on the CPU, where a read costs nothing and stopping early saves work). Between
+two looks, rows that have finished keep decoding padding, which changes nothing that is returned: their
+tokens are masked as before, and steps run after every row had finished are cut off again (the batch, its
+statistics and the generator's state are those of a loop that stopped at once). On CUDA the evicting
+rollout's decode step, the same kernels on the same tensors at every step, is captured as a CUDA graph and
+replayed (`compile`, eager fallback with one warning).
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +59,19 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch
     return ids, mask
 
 
+SYNC_EVERY = 16  # decode steps between two host reads of the device (all-finished, capacity) on an accelerator
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row of probs [N, V] (non-negative, rows not all zero): exactly `torch.multinomial(probs, 1)`,
+    whose draw without replacement is the exponential race `argmax(p / q), q ~ Exp(1)`, the same random
+    numbers and the same generator state after it, but without its host-side check of `probs` (a read of
+    the device at every token). NaN probabilities show as a NaN log-prob at the drawn token (argmax takes
+    NaN first), which the rollout checks at its periodic synchronisation."""
+    race = torch.empty_like(probs).exponential_(1, generator=generator)
+    return torch.div(probs, race, out=race).argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
     """Draw one token per row from logits [N, V]; returns tokens [N] and log_softmax(logits / T) there [N]."""
     logits = logits.float()
@@ -61,17 +84,21 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps at least the top token
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    tokens = draw(probs, generator)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _check(temperature: float, top_p: float, max_new_tokens: int) -> None:
+def _check(temperature: float, top_p: float, max_new_tokens: int, compile, sync_every) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if not (compile == "auto" or compile is True or compile is False):
+        raise ValueError(f"compile must be 'auto', true or false, got {compile!r}")
+    if sync_every is not None and (not isinstance(sync_every, int) or sync_every < 1):
+        raise ValueError(f"sync_every must be null (auto) or an integer >= 1, got {sync_every!r}")
 
 
 def _progress(enabled: bool, total: int):
@@ -89,6 +116,66 @@ def dense_kv_bytes(model, input_ids: torch.Tensor, attention_mask: torch.Tensor)
     return kv_bytes(cache)
 
 
+class _DecodeGraphs:
+    """The evicting rollout's decode step as CUDA graphs, one per `policy.decode_signature` (steps that run the
+    same kernels on the same tensors share one).
+
+    A signature's first step runs eagerly on a side stream (the warm-up a capture needs: lazy cuBLAS and
+    kernel set-up), with the sync debug mode warning: a step that read the device could not be captured,
+    so it is not tried. Its second step is captured, then replayed, and so is every later one. A replay reads
+    and writes the same tensors as the capture: the fed token and position buffers and the cache's column
+    and active rows (written in place before each step), the cache's slots and the state's records (updated
+    in place by the step itself); its logits tensor is overwritten by the next replay. A failed capture (it
+    runs nothing) warns once, and the rollout decodes eagerly from there on."""
+
+    def __init__(self):
+        self.graphs: dict = {}
+        self.warm: set = set()
+        self.failed = False
+
+    def _give_up(self, why: str) -> None:
+        self.failed = True
+        warnings.warn(f"CUDA-graph capture of the decode step is off for this rollout ({why}); decoding eagerly", RuntimeWarning, stacklevel=4)
+
+    def __call__(self, key, step):
+        if self.failed or key is None:
+            return step()
+        if key in self.graphs:
+            graph, logits = self.graphs[key]
+            graph.replay()
+            return logits
+        main = torch.cuda.current_stream()
+        if key not in self.warm:
+            self.warm.add(key)
+            side = torch.cuda.Stream()
+            side.wait_stream(main)
+            with torch.cuda.stream(side), warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    logits = step()
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+            main.wait_stream(side)
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+            if syncs:
+                self._give_up(f"the step reads the device: {syncs[0]}")
+            return logits
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                logits = step()
+        except Exception as err:  # nothing ran: decode this step (and the rest) eagerly
+            torch.cuda.set_stream(main)
+            torch.cuda.synchronize()
+            self._give_up(f"{type(err).__name__}: {err}")
+            return step()
+        self.graphs[key] = (graph, logits)
+        graph.replay()
+        return logits
+
+
 @dataclass
 class _Run:
     """The growing batch of one rollout: tokens, masks, sampler log-probs, the cache and its meter."""
@@ -101,12 +188,17 @@ class _Run:
     finished: torch.Tensor  # [N] bool
     cache: object
     state: RolloutState | None
+    feed_ids: torch.Tensor  # [N, 1] the token fed at a decode step (one buffer for the whole rollout)
+    feed_positions: torch.Tensor  # [N, 1] its RoPE positions
+    invalid: torch.Tensor  # [] bool: a sampled log-prob was NaN (the model's logits were not finite)
+    graphs: _DecodeGraphs | None = None
     meter: KVMeter = field(default_factory=KVMeter)
-    steps: int = 0
+    steps: int = 0  # decode steps run (the batch keeps those up to the last one where a row was live)
 
     @classmethod
     def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility) -> "_Run":
         rows, prompt_width = prompt_ids.shape
+        device = prompt_ids.device
         input_ids = prompt_ids.new_full((rows, prompt_width + max_new_tokens), pad_token_id)
         attention_mask = torch.zeros_like(input_ids)
         input_ids[:, :prompt_width], attention_mask[:, :prompt_width] = prompt_ids, prompt_mask
@@ -117,8 +209,9 @@ class _Run:
             capacity = int(policy.budget(prompt_mask.sum(-1)).max()) + policy.cache_growth(max_new_tokens - 1)
             cache = EvictingCache(model.config.num_hidden_layers, capacity)
             state = RolloutState.start(model.config, policy, cache, prompt_mask, max_new_tokens, record_visibility)
-        return cls(input_ids, attention_mask, prompt_width, prompt_mask.sum(-1), torch.zeros(rows, max_new_tokens, device=input_ids.device),
-                   torch.zeros(rows, dtype=torch.bool, device=input_ids.device), cache, state)
+        return cls(input_ids, attention_mask, prompt_width, prompt_mask.sum(-1), torch.zeros(rows, max_new_tokens, device=device),
+                   torch.zeros(rows, dtype=torch.bool, device=device), cache, state, input_ids.new_zeros(rows, 1),
+                   input_ids.new_zeros(rows, 1), torch.zeros((), dtype=torch.bool, device=device))
 
     def forward(self, model, step: int) -> torch.Tensor:
         """Feed the prompt (step 0) or the last sampled token; returns next-token logits [N, V]."""
@@ -127,19 +220,26 @@ class _Run:
             prompt_mask = self.attention_mask[:, : self.prompt_width]
             feed = dict(input_ids=self.input_ids[:, : self.prompt_width], position_ids=position_ids_from_mask(prompt_mask))
         else:
-            feed = dict(input_ids=self.input_ids[:, column - 1:column], position_ids=(self.positions - 1)[:, None])
+            self.feed_ids.copy_(self.input_ids[:, column - 1:column])
+            torch.sub(self.positions[:, None], 1, out=self.feed_positions)
+            feed = dict(input_ids=self.feed_ids, position_ids=self.feed_positions)
         if self.state is None:
             feed["attention_mask"] = self.attention_mask[:, :column]
+            logits = model(**feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
         else:
-            feed["rollout_state"] = self.state
             self.cache.begin_step(column - 1, self.attention_mask[:, column - 1].bool())
-        logits = model(**feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+            def run():
+                return model(**feed, rollout_state=self.state, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+            if step == 0 or self.graphs is None:
+                logits = run()
+            else:  # policy step `step - 1` (0 = the first generated token is fed)
+                logits = self.graphs(self.state.policy.decode_signature(step - 1), run)
         self.meter.observe(self.cache)
-        if self.state is not None:
-            self.meter.entries_peak = max(self.meter.entries_peak, self.state.entries_peak)
         return logits
 
-    def record(self, step: int, tokens, token_logp, eos_token_id: int, pad_token_id: int) -> None:
+    def record(self, step: int, tokens, token_logp, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
         live = ~self.finished
         column = self.prompt_width + step
         self.input_ids[:, column] = torch.where(live, tokens, pad_token_id)
@@ -147,28 +247,49 @@ class _Run:
         self.logprobs[:, step] = torch.where(live, token_logp, 0.0)
         self.positions += live.long()
         self.finished |= live & (tokens == eos_token_id)
+        if check_nan:
+            self.invalid |= token_logp.isnan().any()
         self.steps = step + 1
 
-    def batch(self, model, measure_dense_kv: bool) -> RolloutBatch:
-        width = self.prompt_width + self.steps
+    def synchronise(self) -> bool:
+        """The periodic host read: raise if the cache overflowed or sampling met NaN; True once every row has
+        finished. One transfer for all flags."""
+        flags = [self.finished.all(), self.invalid]
+        if self.state is not None:
+            flags.append(self.cache.overflowed().to(self.invalid.device))
+        done, invalid, *overflow = torch.stack(flags).tolist()
+        if overflow and overflow[0]:
+            self.cache.check_capacity()
+        if invalid:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0 (the model's logits are not finite)")
+        return done
+
+    def kept_steps(self) -> int:
+        """Steps up to the last one at which a row was live (eos or not): what a loop stopping as soon as every
+        row had finished would have run. Reads the device."""
+        return int(self.attention_mask[:, self.prompt_width : self.prompt_width + self.steps].sum(-1).max())
+
+    def batch(self, model, measure_dense_kv: bool, steps: int) -> RolloutBatch:
+        width = self.prompt_width + steps
         input_ids, attention_mask = self.input_ids[:, :width], self.attention_mask[:, :width]
         response_mask = attention_mask[:, self.prompt_width:].bool()
+        bytes_peak, bookkeeping_peak = self.meter.peaks(steps)  # forward s feeds column P + s - 1: `steps` forwards
         stats = {
-            "kv/bytes_peak": float(self.meter.bytes_peak),
-            "kv/bookkeeping_bytes": float(self.meter.bookkeeping_peak),
+            "kv/bytes_peak": float(bytes_peak),
+            "kv/bookkeeping_bytes": float(bookkeeping_peak),
             "rollout/response_length_mean": float(response_mask.sum(-1).float().mean()),
-            "rollout/steps": float(self.steps),
+            "rollout/steps": float(steps),
         }
         evict_at = visibility = None
         if self.state is None:
-            stats.update({"kv/bytes_peak_dense": float(self.meter.bytes_peak), "kv/kept_fraction": 1.0})
+            stats.update({"kv/bytes_peak_dense": float(bytes_peak), "kv/kept_fraction": 1.0})
         else:
             evict_at, visibility = self.state.finish(attention_mask)
             fed = attention_mask[:, : width - 1]  # the last sampled token is never fed
             dense = dense_kv_bytes(model, input_ids[:, : width - 1], fed) if measure_dense_kv else float("nan")
             real_entries = int(fed.sum()) * model.config.num_hidden_layers * model.config.num_key_value_heads
-            stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.meter.entries_peak / max(real_entries, 1)})
-        return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, : self.steps],
+            stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.state.entries_peak(steps) / max(real_entries, 1)})
+        return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, :steps],
                             evict_at, stats, visibility)
 
 
@@ -231,6 +352,25 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats)
 
 
+def _sampling_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """The generator `sample` draws from: the given one, else the device's default."""
+    if generator is not None:
+        return generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+def _use_graphs(compile, device: torch.device, policy, record_visibility: bool) -> bool:
+    """Whether to capture the decode step: 'auto' and true on CUDA for an evicting rollout (a fixed-capacity
+    cache) without the visibility log; true elsewhere warns and decodes eagerly."""
+    possible = device.type == "cuda" and policy is not None and not record_visibility
+    if compile is True and not possible:
+        warnings.warn("compile=true: CUDA graphs need a CUDA device and an evicting rollout without record_visibility; "
+                      "decoding eagerly", RuntimeWarning, stacklevel=3)
+    return compile is not False and possible
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -246,25 +386,45 @@ def generate(
     progress: bool = False,
     record_visibility: bool = False,
     measure_dense_kv: bool = True,
+    compile: str | bool = "auto",
+    sync_every: int | None = None,
 ) -> RolloutBatch:
     """Sample responses to `prompts` (the caller repeats each one G times), evicting with `policy`.
 
     Stops when every row has emitted `eos_token_id` or after `max_new_tokens`. `record_visibility` keeps
     a [N, L, Hkv, T, T] log of what each query saw (debugging and tests). `measure_dense_kv` measures a
-    dense DynamicCache over the same tokens for `kv/bytes_peak_dense`."""
-    _check(temperature, top_p, max_new_tokens)
+    dense DynamicCache over the same tokens for `kv/bytes_peak_dense`. `compile` ('auto', true, false):
+    capture the evicting decode step as CUDA graphs on CUDA ('auto': whenever possible; never on the CPU).
+    `sync_every`: decode steps between host reads of the device (None: 1 on the CPU, `SYNC_EVERY` elsewhere;
+    1 also checks the cache's capacity at every step, for debugging). Neither changes what is returned."""
+    _check(temperature, top_p, max_new_tokens, compile, sync_every)
     started = time.perf_counter()
-    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
+    device = next(model.parameters()).device
+    prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
     run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility)
+    if _use_graphs(compile, device, policy, record_visibility):
+        run.graphs = _DecodeGraphs()
+    sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)
+    # Steps run past the last live one draw random numbers a stopping loop would not: keep the generator's
+    # state before each step since the last look, to rewind it to where that loop would have left it.
+    rng = _sampling_generator(generator, device) if temperature > 0 and sync_every > 1 else None
+    rng_states: dict[int, torch.Tensor] = {}
     bar, task = _progress(progress, max_new_tokens)
     use_smd_attention(model)
     with bar:
         for step in range(max_new_tokens):
+            if rng is not None:
+                rng_states[step] = rng.get_state()
             tokens, token_logp = sample(run.forward(model, step), temperature, top_p, generator)
-            run.record(step, tokens, token_logp, eos_token_id, pad_token_id)
+            run.record(step, tokens, token_logp, eos_token_id, pad_token_id, check_nan=temperature > 0)
             bar.advance(task)
-            if bool(run.finished.all()):
-                break
-    batch = run.batch(model, measure_dense_kv)
+            if (step + 1) % sync_every == 0 or step + 1 == max_new_tokens:
+                if run.synchronise():
+                    break
+                rng_states.clear()
+    steps = run.kept_steps()
+    if rng is not None and steps < run.steps:
+        rng.set_state(rng_states[steps])
+    batch = run.batch(model, measure_dense_kv, steps)
     batch.stats["rollout/seconds"] = time.perf_counter() - started
     return batch

@@ -11,6 +11,11 @@ next layer runs: the full prompt KV of only one layer is ever alive. Decode (one
 valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
 or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
 column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
+
+A decode step never reads the device from the host: the column comes as the cache's device tensor, entry
+counts are summed on the device (`entries`, one total per forward), and slot scores are updated in place.
+Which kernels it runs depends on the step only through `policy.decode_signature(step)`, so the rollout can
+capture it as a CUDA graph (`smd_cli.rollout`); the visibility log (tests, debugging) is eager only.
 """
 
 from __future__ import annotations
@@ -36,8 +41,7 @@ class RolloutState:
     first_real: torch.Tensor  # [N] column of each row's first real token
     evict_at: torch.Tensor  # [N, L, Hkv, P + Rmax + 1] int32; the last column collects writes to nowhere
     visibility: torch.Tensor | None  # [N, L, Hkv, P + Rmax, P + Rmax] bool when recording
-    layer_entries: list[int]
-    entries_peak: int = 0
+    entries: torch.Tensor  # [Rmax] long: entries attended at each forward (0 = prefill), summed over rows, layers, KV heads
 
     @classmethod
     def start(cls, config, policy, cache, prompt_mask, max_new_tokens: int, record_visibility: bool) -> "RolloutState":
@@ -48,19 +52,31 @@ class RolloutState:
         lengths = prompt_mask.sum(dim=-1)
         evict_at = torch.full((rows, layers, kv_heads, width + 1), NEVER, dtype=torch.int32, device=device)
         visibility = torch.zeros(rows, layers, kv_heads, width, width, dtype=torch.bool, device=device) if record_visibility else None
-        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, [0] * layers)
+        entries = torch.zeros(max_new_tokens, dtype=torch.long, device=device)
+        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, entries)
 
     @property
     def prompt_width(self) -> int:
         return self.key_real.shape[1]
 
     def finish(self, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The shadow mask [N, L, Hkv, T] for the final width T: padding 0, never evicted T."""
+        """The shadow mask [N, L, Hkv, T] for the final width T: padding 0, never evicted T.
+
+        Forwards run past the rollout's last step (the rollout checks for the end every few steps only) leave
+        nothing behind: what they evicted gets a time > T, clamped to T (never evicted within T), and the one
+        query row of theirs inside T, the last sampled token's, is cleared (the rollout never feeds it)."""
         width = attention_mask.shape[1]
         evict_at = self.evict_at[..., :width].clamp(max=width)  # one copy, contiguous
         evict_at.masked_fill_(~attention_mask.bool()[:, None, None, :], 0)
-        visibility = None if self.visibility is None else self.visibility[..., :width, :width]
+        visibility = None
+        if self.visibility is not None:
+            visibility = self.visibility[..., :width, :width]
+            visibility[..., width - 1, :] = False
         return evict_at, visibility
+
+    def entries_peak(self, forwards: int) -> int:
+        """Most entries attended by one forward among the first `forwards` (reads the device)."""
+        return int(self.entries[:forwards].max())
 
 
 def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
@@ -75,42 +91,40 @@ def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
     state.evict_at[:, layer, :, :width] = torch.where(real & ~kept, width, torch.where(real, NEVER, 0)).to(torch.int32)
     if state.visibility is not None:
         state.visibility[:, layer, :, :width, :width] = view.mask()
-    state.layer_entries[layer] = int(chosen.ok.sum())
+    state.entries[:1].add_(chosen.ok.sum())
     return out
 
 
 def _decode(layer: int, query, key, value, scaling, state: RolloutState):
-    column = state.cache.column
-    slots = state.cache.layers[layer]
+    cache = state.cache
+    column = cache.column_tensor  # [] long, on the device (the Python `cache.column` only for the eager log)
+    slots = cache.layers[layer]
     valid = slots.valid()  # [N, Hkv, S]
     out = kernels.grouped(query, key, value, valid[:, :, None, :], scaling)
     if state.visibility is not None:
         width = state.visibility.shape[-1]
         seen = torch.zeros(valid.shape[:2] + (width + 1,), dtype=torch.bool, device=valid.device)
         seen.scatter_(-1, torch.where(valid, slots.columns, width).long(), True)
-        state.visibility[:, layer, :, column] = seen[..., :width]
-    state.layer_entries[layer] = int(valid.sum())
+        state.visibility[:, layer, :, cache.column] = seen[..., :width]
+    forward = (column - (state.prompt_width - 1)).view(1)  # the forward feeding `column`: column - P + 1
+    state.entries.index_add_(0, forward, valid.sum().view(1))
     policy = state.policy
-    step = column - state.prompt_width
+    step = cache.column - state.prompt_width
     if policy.decode_time:
         probs = kernels.grouped_probs(query, key, valid[:, :, None, :], scaling)  # [N, H, 1, S]
         received = probs.view(key.shape[0], key.shape[1], -1, probs.shape[-1]).sum(dim=2)  # summed over each query group
-        slots.scores = policy.decode_scores(slots.scores, received.masked_fill(~valid, 0.0), step)
+        slots.scores.copy_(policy.decode_scores(slots.scores, received.masked_fill(~valid, 0.0), step))  # in place
     if policy.evicts_after(step):
         evict = policy.select_decode(slots.scores, slots.columns, state.budget, column, state.first_real)
         evicted = slots.evict(evict)  # [N, Hkv, S] columns, FREE where nothing left
         nowhere = state.evict_at.shape[-1] - 1
         target = torch.where(evicted != FREE, evicted, nowhere).long()
-        state.evict_at[:, layer].scatter_(-1, target, column + 1)
+        state.evict_at[:, layer].scatter_(-1, target, (column + 1).to(state.evict_at.dtype).expand(target.shape))
     return out
 
 
 def rollout_attention(layer: int, query, key, value, scaling: float, state: RolloutState) -> torch.Tensor:
     """Attention of the evicting rollout at layer `layer`: [N, H, q, D]."""
     if query.shape[2] > 1:
-        out = _prefill(layer, query, key, value, scaling, state)
-    else:
-        out = _decode(layer, query, key, value, scaling, state)
-    if layer == len(state.layer_entries) - 1:
-        state.entries_peak = max(state.entries_peak, sum(state.layer_entries))
-    return out
+        return _prefill(layer, query, key, value, scaling, state)
+    return _decode(layer, query, key, value, scaling, state)

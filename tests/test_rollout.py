@@ -255,3 +255,126 @@ def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, na
     replay = response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
     assert diff(batch, replay).max() <= BOUND
     assert batch.stats["kv/bytes_peak"] == max(c.stats["kv/bytes_peak"] for c in chunks)
+
+
+# The decode loop reads the device only every `sync_every` steps (SYNC_EVERY on an accelerator, 1 on the CPU): between
+# two looks, rows that have finished keep decoding padding. Nothing returned may show it: same tokens, log-probs, masks,
+# shadow masks, visibility log and statistics, and the generator left where a loop stopping at once leaves it.
+SMALL_VOCAB = 7  # eos = 2 is drawn about once in 7 tokens: rows finish at different steps, well before R_LONG
+R_LONG = 40
+
+
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    return build_tiny_model(SMALL_VOCAB, seed=0).eval()
+
+
+def _returned(batch, generator):
+    fields = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
+              "logprobs": batch.logprobs, "evict_at": batch.evict_at, "visibility": batch.visibility,
+              "generator_after": torch.rand(8, generator=generator)}
+    stats = {k: v for k, v in batch.stats.items() if k != "rollout/seconds"}
+    return fields, stats
+
+
+@pytest.mark.parametrize("name", ["dense", *POLICIES])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.8)])
+def test_periodic_host_checks_change_nothing_returned(small_vocab_model, name, temperature, top_p):
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, SMALL_VOCAB, (n,), generator=generator).tolist() for n in (24, 33, 41, 48, 30, 20)]
+    forwards = []
+    hook = small_vocab_model.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    runs = {}
+    try:
+        for every in (1, 5, 16):
+            forwards.clear()
+            generator = torch.Generator().manual_seed(7)
+            batch = generate(small_vocab_model, prompts, policy=None if name == "dense" else POLICIES[name](), max_new_tokens=R_LONG,
+                             temperature=temperature, top_p=top_p, generator=generator, eos_token_id=2, pad_token_id=0,
+                             record_visibility=name != "dense", sync_every=every)
+            runs[every] = (*_returned(batch, generator), len(forwards))
+    finally:
+        hook.remove()
+    fields, stats, forwards_every_step = runs[1]
+    assert stats["rollout/steps"] < R_LONG and not batch.response_mask.all()  # every row stopped early, not all at once
+    for every in (5, 16):
+        other, other_stats, forwards_run = runs[every]
+        for key, value in fields.items():
+            assert (value is None and other[key] is None) or torch.equal(value, other[key]), (every, key)
+        assert other_stats == stats, every
+        assert forwards_run >= forwards_every_step
+    assert max(runs[5][2], runs[16][2]) > forwards_every_step  # the periodic loop did decode past the last live step
+
+
+def test_draw_is_torch_multinomial():
+    """`draw` replaces torch.multinomial(probs, 1) (whose checks read the device): same tokens, same generator state."""
+    from smd_cli.rollout import draw
+
+    for trial in range(20):
+        generator = torch.Generator().manual_seed(trial)
+        probs = torch.softmax(torch.randn(5, 50 + trial, generator=generator) * 4, dim=-1)
+        probs[:, : trial] = 0.0  # zeros, as top-p leaves them
+        ours, theirs = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
+        for _ in range(3):
+            assert torch.equal(draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
+        assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+class _TooSmall(SnapKV):
+    def cache_growth(self, decode_steps: int) -> int:
+        return 0  # no slot for generated tokens: the first decode write finds the cache full
+
+
+@pytest.mark.parametrize("every", [1, 16])
+def test_a_full_cache_is_reported_at_the_check(model, prompts, every):
+    with pytest.raises(RuntimeError, match="is full"):
+        generate(model, prompts, policy=_TooSmall(0.5, sink=2, window=6), max_new_tokens=6, eos_token_id=-1, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(0), sync_every=every)
+
+
+@pytest.mark.parametrize("every", [1, 16])
+def test_non_finite_logits_are_reported_when_sampling(model, prompts, every):
+    import copy
+
+    broken = copy.deepcopy(model)
+    with torch.no_grad():
+        broken.lm_head.weight[5] = float("nan")
+    with pytest.raises(RuntimeError, match="nan"):
+        generate(broken, prompts, policy=KNorm(0.5, 2, 6), max_new_tokens=4, eos_token_id=-1, pad_token_id=0,
+                 generator=torch.Generator().manual_seed(0), sync_every=every)
+
+
+def test_compile_option(model, prompts):
+    """`compile` captures CUDA graphs on CUDA only: on the CPU, true warns and decodes eagerly (the same rollout)."""
+    kwargs = dict(policy=SnapKV(0.5, sink=2, window=6), max_new_tokens=4, eos_token_id=2, pad_token_id=0)
+    eager = generate(model, prompts, compile=False, generator=torch.Generator().manual_seed(0), **kwargs)
+    with pytest.warns(RuntimeWarning, match="CUDA graphs need a CUDA device"):
+        asked = generate(model, prompts, compile=True, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert torch.equal(eager.input_ids, asked.input_ids) and torch.equal(eager.logprobs, asked.logprobs)
+    with pytest.raises(ValueError, match="compile"):
+        generate(model, prompts, compile="yes", **kwargs)
+    with pytest.raises(ValueError, match="sync_every"):
+        generate(model, prompts, sync_every=0, **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "snapkv_recompress"])
+def test_cuda_graph_decode_matches_eager(tiny_tokenizer, name):
+    import warnings
+
+    device = torch.device("cuda")
+    model = build_tiny_model(len(tiny_tokenizer), seed=0, device=device).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (24, 33, 41, 48)]
+    runs = {}
+    for compile in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a failed capture warns: fail instead
+            runs[compile] = generate(model, prompts, policy=POLICIES[name](), max_new_tokens=R, temperature=1.0, compile=compile,
+                                     generator=torch.Generator(device=device).manual_seed(7), eos_token_id=2, pad_token_id=0)
+    eager, graphed = runs[False], runs[True]
+    assert torch.equal(eager.input_ids, graphed.input_ids) and torch.equal(eager.evict_at, graphed.evict_at)
+    assert (eager.logprobs - graphed.logprobs).abs().max() <= 1e-5
+    with torch.no_grad():
+        replay = response_logits(model, graphed.input_ids, graphed.attention_mask, graphed.prompt_length, graphed.evict_at)
+    assert diff(graphed, replay).max() <= 1e-4

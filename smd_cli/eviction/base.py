@@ -111,6 +111,14 @@ class EvictionPolicy:
         """Whether decode step `step` ends with an eviction (every step for H2O)."""
         return self.decode_time
 
+    def decode_signature(self, step: int) -> tuple | None:
+        """What of decode step `step`'s work depends on `step` beyond tensors: two steps with equal signatures
+        run the same kernels on the same tensors (the column being decoded is a device tensor), so one CUDA
+        graph captured at one of them replays the other. None = not known to be so (decoded eagerly): the
+        default for decode-time policies, whose `decode_scores` may branch on `step`; a policy that knows
+        its branches overrides it (H2O, SnapKV)."""
+        return () if not self.decode_time else None
+
     def cache_growth(self, decode_steps: int) -> int:
         """Slots beyond the prompt budget that the cache needs for `decode_steps` fed tokens (the last
         sampled token is never fed): all of them, or one at a time when evicting while decoding."""
@@ -148,12 +156,12 @@ class EvictionPolicy:
         slot_scores: torch.Tensor,
         slot_columns: torch.Tensor,
         budget: torch.Tensor,
-        column: int,
+        column: int | torch.Tensor,
         first_real: torch.Tensor,
     ) -> torch.Tensor:
-        """Slots to evict after the step at `column`: in every (row, KV head) holding more than its budget,
-        the lowest-scoring entries outside the newest `window` and the `sink` first, down to the budget.
-        slot_columns [B, Hkv, S] (-1 = free). Returns [B, Hkv, S] bool."""
+        """Slots to evict after the step at `column` (an int or a [] tensor on the device): in every (row, KV
+        head) holding more than its budget, the lowest-scoring entries outside the newest `window` and the
+        `sink` first, down to the budget. slot_columns [B, Hkv, S] (-1 = free). Returns [B, Hkv, S] bool."""
         valid = slot_columns >= 0
         excess = (valid.sum(dim=-1) - budget[:, None]).clamp(min=0)  # [B, Hkv]
         recent = slot_columns > column - self.window

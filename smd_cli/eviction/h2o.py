@@ -30,3 +30,6 @@ class H2O(EvictionPolicy):
 
     def decode_scores(self, slot_scores: torch.Tensor, attention: torch.Tensor, step: int) -> torch.Tensor:
         return slot_scores + attention
+
+    def decode_signature(self, step: int) -> tuple:
+        return ("accumulate", "evict")  # the same work at every step

@@ -44,6 +44,12 @@ class SnapKV(EvictionPolicy):
             slot_scores = torch.zeros_like(slot_scores)  # a new observation window starts
         return slot_scores + attention
 
+    def decode_signature(self, step: int) -> tuple:
+        if not self.decode_time:
+            return ()
+        phase, first_vote = step % self.recompress_every, self.recompress_every - self.window
+        return (phase < first_vote, phase == first_vote, self.evicts_after(step))  # the branches `decode_scores` takes
+
     def evicts_after(self, step: int) -> bool:
         return self.decode_time and (step + 1) % self.recompress_every == 0
 

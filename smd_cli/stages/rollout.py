@@ -28,6 +28,7 @@ def validate(cfg: DictConfig) -> None:
     check(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
+    check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
 
 
 @torch.no_grad()
@@ -88,7 +89,8 @@ def run(cfg: DictConfig) -> dict:
     batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,
                      temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
                      generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
-                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress)
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
+                     compile=cfg.sampling.get("compile", "auto"))
     texts = response_texts(batch, tokenizer)
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
     summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical, cfg.model.replay), **batch.stats}

@@ -63,6 +63,7 @@ def validate(cfg: DictConfig) -> None:
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
     check(s.get("batch_size") is None or s.batch_size >= 1, "sampling.batch_size", s.get("batch_size"), "null (all at once) or >= 1")
+    check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
     check(cfg["lambda"] >= 0, "lambda", cfg["lambda"], ">= 0 (the SMD distillation weight)")
     check(cfg.eval.num_prompts >= 0, "eval.num_prompts", cfg.eval.num_prompts, ">= 0")
     c = cfg.checkpoint
@@ -228,7 +229,7 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
     batch = concat_rollouts([
         generate(model, prompts[i : i + chunk], policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                  top_p=s.top_p, generator=generator, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                 measure_dense_kv=False)
+                 measure_dense_kv=False, compile=s.get("compile", "auto"))
         for i in range(0, len(prompts), chunk)
     ], tokenizer.pad_token_id)
     return batch, torch.tensor(rollout_rewards(batch, tokenizer, task, examples))
