@@ -30,11 +30,11 @@ test: install ## run the whole test suite (offline, CPU)
 test-fast: install ## the suite without the slow end-to-end stage runs
 	$(BIN)/python -m pytest -q -m "not slow"
 
-bench: install ## benchmarks: ratios measured side by side in one run (bench/gpu_check.sh needs a GPU: run it yourself)
+bench: install ## benchmarks: ratios measured side by side in one run (not gpu_check.sh: GPU; not algorithms_table.py: a report over runs)
 	@# the [bench] extra (TRL, for bench/peer_trl.py), never replacing the installed torch or transformers
 	$(BIN)/python -c 'import torch, transformers; print(f"torch=={torch.__version__}\ntransformers=={transformers.__version__}")' > $(VENV)/bench-constraints.txt
 	$(BIN)/pip install --quiet -c $(VENV)/bench-constraints.txt -e ".[bench]"
-	@for b in $(filter-out bench/gpu_check.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in $(filter-out bench/gpu_check.py bench/algorithms_table.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 clean: ## remove the virtual environment, caches and run directories
 	rm -rf $(VENV) .cache runs outputs multirun .pytest_cache *.egg-info
