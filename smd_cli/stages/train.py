@@ -7,10 +7,12 @@ and takes one `learner_step`. Held-out reward is measured before and after train
 draws exactly what an uninterrupted one would.
 
 Checkpoints (`smd_cli.checkpoint`) are written every `checkpoint.every` steps and at the end, plus `final/`.
-`resume=true` (or `resume=RUN_DIR`) restores weights, optimizer and RNG states from the run's newest
-complete checkpoint and continues in that run directory; `metrics.jsonl` is cut back to that step, so the
-remaining rows equal an uninterrupted run's. A non-finite loss or gradient stops the run (summary status
-"diverged", the last good checkpoint kept); a batch left empty by Sparse-RL's rejection is skipped and counted.
+`resume=true` (or `resume=RUN_DIR`) restores weights, optimizer, RNG states and the eviction policy's own
+random state from the run's newest intact checkpoint (verified against its manifest, before any model is
+built) and continues in that run directory; `metrics.jsonl` is cut back to that step, so the remaining rows
+equal an uninterrupted run's. A non-finite loss or gradient, non-finite weights, or `guard.collapse_steps`
+steps without any gradient stop the run (summary status "diverged", the last good checkpoint named); a
+batch left empty by Sparse-RL's rejection is skipped and counted. The run directory is locked for this process.
 """
 
 from __future__ import annotations
