@@ -153,3 +153,36 @@ def test_ablate_cli_failed_runs_exit_1_with_the_reason(tmp_path):
     for r in rows:
         assert r["error"].startswith(f"config error: grpo.num_generations={r['grpo.num_generations']} is not allowed: an integer >= 2")
     assert (out / "ablation.png").is_file() and json.loads((out / "summary.json").read_text())["failed"]
+
+
+SEEDED_TRAIN = r"""
+import json, pathlib, sys
+args = dict(a.split("=", 1) for a in sys.argv[1:])
+run = pathlib.Path(args["hydra.run.dir"])
+run.mkdir(parents=True, exist_ok=True)
+(run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
+if args["lambda"] == "0.3" and args["seed"] == "2":
+    sys.exit("boom")
+(run / "summary.json").write_text(json.dumps({"eval/reward_after": float(args["lambda"]) + 0.1 * int(args["seed"])}))
+"""
+
+
+def test_seeds_are_averaged_with_their_standard_error(tmp_path, monkeypatch):
+    script = tmp_path / "seeded_train.py"
+    script.write_text(SEEDED_TRAIN)
+    monkeypatch.setattr(stage, "member_command", lambda base, combo, run_dir: [
+        sys.executable, str(script), *base, *(f"{k}={v}" for k, v in combo), f"hydra.run.dir={run_dir}"])
+    cfg = ablate_config(tmp_path, "ablate.sweep=['lambda=0.1,0.3','seed=0,1,2']", "ablate.metrics=[eval/reward_after]")
+    with pytest.raises(AblationFailed, match="1 of 6 runs failed"):
+        stage.run(cfg)
+    root = tmp_path / "ablate"
+    groups = {r["lambda"]: r for r in csv.DictReader((root / "ablation_mean.csv").open())}
+    # lambda 0.1: 0.1, 0.2, 0.3 -> mean 0.2, sample std 0.1, se 0.1 / sqrt(3); lambda 0.3: 0.3, 0.4 (seed 2 failed)
+    assert float(groups["0.1"]["eval/reward_after"]) == pytest.approx(0.2)
+    assert float(groups["0.1"]["eval/reward_after se"]) == pytest.approx(0.1 / 3 ** 0.5)
+    assert float(groups["0.3"]["eval/reward_after"]) == pytest.approx(0.35)
+    assert float(groups["0.3"]["eval/reward_after se"]) == pytest.approx(0.05)
+    assert (groups["0.1"]["n"], groups["0.3"]["n"], groups["0.3"]["runs"]) == ("3", "2", "3")
+    assert "| 0.3 | 0.35 ± 0.05 | 2/3 |" in (root / "ablation_mean.md").read_text()
+    assert (root / "ablation_mean.png").stat().st_size > 10_000
+    assert json.loads((root / "summary.json").read_text())["aggregated"]["over"] == ["seed"]

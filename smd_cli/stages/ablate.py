@@ -7,8 +7,9 @@ A run that fails does not stop the others: its stderr is streamed to the termina
 kept, and the table gives the reason (the `error` of its summary.json, else the error message that ends
 its stderr; the whole of it is in its `stderr.log`). Outputs: `ablation.md` and `ablation.csv` (one row
 per run), `ablation.png` (training reward curves and the chosen metric per run; a failed run has no bar,
-only a red "failed" mark, never a 0), `summary.json`. When a run failed, `smd ablate` exits with status 1
-after writing all of them (`AblationFailed`).
+only a red "failed" mark, never a 0), `summary.json`. A swept key of `ablate.aggregate_over` (`seed`) is
+averaged over: `ablation_mean.{md,csv,png}` give each other combination's mean and standard error. When a
+run failed, `smd ablate` exits with status 1 after writing all of them (`AblationFailed`).
 """
 
 from __future__ import annotations
@@ -214,6 +215,11 @@ def run(cfg: DictConfig) -> dict:
     plot(run_.dir, rows, cfg.ablate.plot_metric)
     failed = [r for r in rows if r["status"] != "ok"]
     result = {"runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed]}
+    over = [k for k in keys if k in cfg.ablate.aggregate_over]
+    if over:  # e.g. seed=0,1,2: one row per value of the other keys, mean and standard error over the seeds
+        groups = aggregate(rows, [k for k in keys if k not in over], metrics)
+        write_means(run_.dir, groups, [k for k in keys if k not in over], metrics, over, cfg.ablate.plot_metric)
+        result["aggregated"] = {"over": over, "groups": groups}
     write_json(run_.dir / "summary.json", result)
     console.print(f"ablation written to {run_.dir}/ablation.md and ablation.png")
     if failed:
@@ -223,6 +229,70 @@ def run(cfg: DictConfig) -> dict:
         Console(stderr=True).print(f"[red]ablate failed:[/red] {message}", highlight=False)
         raise AblationFailed(message)
     return result
+
+
+def aggregate(rows: list[dict], keys: list[str], metrics: list[str]) -> list[dict]:
+    """Rows grouped by the values of `keys` (in first-seen order): per metric the mean over the group's finished
+    runs that report it and its standard error `std / sqrt(n)` (sample std, n - 1; None below two runs), with
+    `runs` (in the group) and `n` (finished)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
+    out = []
+    for values, members in groups.items():
+        done = [r for r in members if r["status"] == "ok"]
+        group = {**dict(zip(keys, values)), "runs": len(members), "n": len(done)}
+        for m in metrics:
+            xs = [float(r[m]) for r in done if isinstance(r.get(m), (int, float)) and math.isfinite(r[m])]
+            mean = sum(xs) / len(xs) if xs else None
+            se = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else None
+            group[m], group[f"{m} se"] = mean, se
+        out.append(group)
+    return out
+
+
+def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[str], over: list[str], metric: str) -> None:
+    """`ablation_mean.md` / `.csv` (mean +- standard error over `over`, n finished of runs) and `ablation_mean.png`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def pm(g: dict, m: str) -> str:
+        mean, se = g.get(m), g.get(f"{m} se")
+        return "-" if mean is None else f"{mean:.4g}" + ("" if se is None else f" ± {se:.2g}")
+
+    columns = keys + metrics + ["n"]
+    table = Table(title=f"smd ablate: mean ± standard error over {', '.join(over)}")
+    for c in columns:
+        table.add_column(c, justify="right")
+    rows_md = []
+    for g in groups:
+        cells = [str(g[k]) for k in keys] + [pm(g, m) for m in metrics] + [f"{g['n']}/{g['runs']}"]
+        table.add_row(*cells)
+        rows_md.append("| " + " | ".join(cells) + " |")
+    console.print(table)
+    write_atomic(out / "ablation_mean.md", "\n".join([f"Mean ± standard error over {', '.join(over)} (n finished / runs).", "",
+                                                      "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns), *rows_md]) + "\n")
+    with (out / "ablation_mean.csv").open("w", newline="") as f:
+        fields = [*keys, *[c for m in metrics for c in (m, f"{m} se")], "n", "runs"]
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(groups)
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) + 2), 4))
+    for i, g in enumerate(groups):
+        if g.get(metric) is not None:
+            bar = ax.bar(i, g[metric], yerr=g.get(f"{metric} se") or 0.0, capsize=4, color="tab:blue")
+            ax.bar_label(bar, [f"{g[metric]:.3g} (n={g['n']})"], fontsize=8, label_type="center", color="white")
+        else:
+            ax.text(i, 0.03, "no run finished", transform=ax.get_xaxis_transform(), rotation=90, ha="center", color="tab:red")
+    ax.set_xlim(-0.6, len(groups) - 0.4)
+    ax.set_xticks(range(len(groups)), [",".join(f"{k}={g[k]}" for k in keys) or "all" for g in groups], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric}: mean ± standard error over {', '.join(over)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out / "ablation_mean.png", dpi=120)
+    plt.close(fig)
 
 
 def _fmt(v) -> str:
