@@ -136,10 +136,6 @@ class EvictingCache(Cache):
             capacity = self.layers[0].capacity
             raise RuntimeError(f"EvictingLayer is full (capacity {capacity}); the policy evicted too little")
 
-    def held_entries(self) -> int:
-        """Real entries held now, summed over rows, layers and KV heads."""
-        return sum(int(layer.valid().sum()) for layer in self.layers if layer.is_initialized)
-
 
 def tensor_bytes(tensors) -> int:
     """Bytes of the storages behind `tensors` (each storage counted once): what is allocated, not numel."""

@@ -292,8 +292,10 @@ def resume_target(resume: bool | str | None, current_run: Path, named: bool = Fa
             raise FileNotFoundError(f"{path} holds no complete checkpoint (expected {checkpoints_dir(path)}/step_NNNNNN/)")
         return path
     current_run = Path(current_run)
-    if latest_checkpoint(current_run) is not None or named:
-        return current_run if latest_checkpoint(current_run) is not None else None
+    if latest_checkpoint(current_run) is not None:
+        return current_run
+    if named:
+        return None
     parent = current_run.parent
     candidates = [(latest_checkpoint(d), d) for d in parent.iterdir() if d.is_dir() and d != current_run] if parent.is_dir() else []
     candidates = [(c.path.stat().st_mtime, d) for c, d in candidates if c is not None]

@@ -156,13 +156,12 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             if iteration == 0:
                 view_logp.append(logp.detach())
                 if old is None:  # this pass is pi_old; its corrections follow from it
-                    weights[s], keep[s], _ = _corrections(algo, view_logp[-1], sampler[s], mask[s])
-                    if algo.name == "sparse_rl":  # one micro-batch: the normaliser is known only now
+                    weights[s], keep[s], stats = _corrections(algo, view_logp[-1], sampler[s], mask[s])
+                    if algo.name == "sparse_rl":  # one micro-batch (s is the whole batch): the normaliser is known only now
                         total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
                         if total_tokens == 0:
                             model.eval()
-                            return _skipped({**metrics, **_corrections(algo, view_logp[-1], sampler, mask)[2]},
-                                            view_logp[-1], sampler, mask)
+                            return _skipped({**metrics, **stats}, view_logp[-1], sampler, mask)
             old_s = old[s] if old is not None else view_logp[-1]
             per_tok, clip = clipped_surrogate(logp, old_s, advantages[s], algo.epsilon, algo.epsilon_high)
             policy = aggregate(per_tok * weights[s], keep[s], algo.loss_agg, total_tokens, total_seqs)
@@ -186,10 +185,9 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 ent += float((terms["entropy"] * mask[s]).sum())
             for key, value in (("loss", loss), ("loss/policy", policy), ("loss/kl_ref", kl_ref), ("loss/distill", distill)):
                 sums[key] += float(value.detach()) / algo.num_iterations
-        if old is None:
+        if old is None:  # a dense view whose pi_old was this first pass
             old = torch.cat(view_logp)
-            if not smd and not upfront:
-                metrics.update(_corrections(algo, old, sampler, mask)[2])  # statistics over the whole batch
+            metrics.update(_corrections(algo, old, sampler, mask)[2])  # statistics over the whole batch
         grad_norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)
         if not math.isfinite(float(grad_norm)):
             optimizer.zero_grad(set_to_none=True)

@@ -14,7 +14,7 @@ from smd_cli.tasks import govreport, gsm8k, hotpotqa, tldr
 from smd_cli.tasks.govreport import GovReport
 from smd_cli.tasks.gsm8k import GSM8K
 from smd_cli.tasks.hotpotqa import HotpotQA
-from smd_cli.tasks.loading import load_split
+from smd_cli.tasks.loading import load_rows
 from smd_cli.tasks.tldr import TLDR
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
@@ -190,7 +190,7 @@ def test_gsm8k_gold_and_shuffled_real(shared_data):
 
 def test_hotpotqa_gold_real(shared_data):
     path = shared_data / "hotpotqa" / "hotpot_dev_v1_simplified.json"
-    rows = load_split(HotpotQA.hub_id, None, "validation", ("question", "answer"), data_files=str(path))
+    rows, _ = load_rows(HotpotQA.hub_id, None, "validation", ("question", "answer"), data_files=str(path))
     answers = [r["answer"] for r in rows]
     assert len(answers) == 7405
     assert sum(hotpot_em(a, a) for a in answers) == 7405 and sum(hotpot_f1(a, a) for a in answers) == 7405

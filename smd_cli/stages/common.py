@@ -72,12 +72,17 @@ def start_run(cfg: DictConfig) -> Run:
         raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
     if "model" in cfg and "task" in cfg:
         check_context(cfg)
-    try:  # one writer per run directory: a second process stops here, before it writes anything
+    lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
+    write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
+    return Run(run_dir, seed_everything(cfg.seed), device)
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold `run_dir` for this process (`integrity.hold`); a second process gets a ConfigError naming the first."""
+    try:
         integrity.hold(run_dir, "smd")
     except integrity.Locked as err:
         raise ConfigError(str(err)) from None
-    write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
-    return Run(run_dir, seed_everything(cfg.seed), device)
 
 
 def check_context(cfg: DictConfig) -> None:

@@ -11,10 +11,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from smd_cli import checkpoint as ckpt
-from smd_cli import integrity
 from smd_cli.io import read_jsonl, write_json
 from smd_cli.learner import TrainingDiverged
-from smd_cli.stages.common import ConfigError, console, to_dict
+from smd_cli.stages.common import ConfigError, console, lock_run_dir, to_dict
 
 # Config keys that may differ between a run and its resumption: they change neither the updates nor the metrics.
 RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "guard", "run_dir", "overrides", "cache_dir",
@@ -64,7 +63,7 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
             console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current}"
                           f"{'' if named_by_user(cfg) else ' or beside it'}; starting at step 0")
         return None
-    lock(target)
+    lock_run_dir(target)
     removed = ckpt.remove_partial(target)
     if removed:
         console.print(f"removed an interrupted write in {target}: {', '.join(p.name for p in removed)}")
@@ -93,14 +92,6 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
 
 def _described(corrupt: list) -> str:
     return "; ".join(f"{bad.path.name}: {problems[0]}" for bad, problems in corrupt) or "none is complete"
-
-
-def lock(run_dir: Path) -> None:
-    """One writer per run directory (`integrity.hold`); a second process gets a ConfigError naming the first."""
-    try:
-        integrity.hold(run_dir, "smd")
-    except integrity.Locked as err:
-        raise ConfigError(str(err)) from None
 
 
 def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model, optimizer) -> tuple[dict, dict]:

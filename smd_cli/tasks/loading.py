@@ -1,6 +1,6 @@
 """Loading the paper's datasets (Hub or local files of the Hub schema) and fitting prompts to a budget.
 
-`load_split` reads a split: the Hub id through `datasets.load_dataset` by default, or local
+`load_rows` reads a split: the Hub id through `datasets.load_dataset` by default, or local
 jsonl/json/parquet files (`data_files`) that follow the same schema, read row by row (`datafiles.py`) so
 runs and tests work offline and a bad line is named. Each row is checked for the task's fields and their
 types (`HubTask.field_types`): an error names the file, the line (or row), the field, the type found and
@@ -47,19 +47,6 @@ def _builder(paths: list[Path]) -> str:
     return kinds.pop()
 
 
-def load_split(
-    hub_id: str,
-    config: str | None,
-    split: str,
-    required: Sequence[str] | FieldTypes,
-    data_files: DataFiles = None,
-    limit: int | None = None,
-) -> list[Example]:
-    """Rows of one split as dicts, checked for the `required` fields (names, or names -> types) and for
-    being non-empty."""
-    return load_rows(hub_id, config, split, required, data_files, limit)[0]
-
-
 def load_rows(
     hub_id: str,
     config: str | None,
@@ -68,7 +55,8 @@ def load_rows(
     data_files: DataFiles = None,
     limit: int | None = None,
 ) -> tuple[list[Example], list[str]]:
-    """(rows, where each row is: `FILE, line N` or `HUB_ID split S row index I`) of one split."""
+    """Rows of one split as dicts, checked for the `required` fields (names, or names -> types) and for
+    being non-empty, and where each row is: `FILE, line N` or `HUB_ID split S row index I`."""
     field_types: FieldTypes = required if isinstance(required, Mapping) else {f: object for f in required}
     if data_files is None:
         rows, where, source, columns = _hub_rows(hub_id, config, split, limit)
@@ -134,10 +122,6 @@ class HubTask(Task):
     splits: tuple[str, ...] = ("train", "test")
     field_types: ClassVar[FieldTypes] = {}
     metric_list: tuple[Metric, ...] = ()  # reported by `metrics`; the first is the reward
-
-    @property
-    def required_fields(self) -> tuple[str, ...]:
-        return tuple(self.field_types)
 
     def __init__(
         self,
