@@ -30,6 +30,11 @@ test: install ## run the whole test suite (offline, CPU)
 test-fast: install ## the suite without the slow end-to-end stage runs
 	$(BIN)/python -m pytest -q -m "not slow"
 
+SCALE ?= tiny
+QUICK ?=
+reproduce: install ## the paper's tables and ablations, then results/reproduce/REPORT.md (SCALE=paper: GPU + Hub; QUICK=1: minutes)
+	$(if $(filter paper,$(SCALE)),HF_HUB_OFFLINE=$(or $(PAPER_HUB_OFFLINE),0)) $(BIN)/smd reproduce $(if $(filter paper,$(SCALE)),paper=true) $(if $(QUICK),quick=true) $(ARGS)
+
 bench: install ## benchmarks: ratios measured side by side in one run (not gpu_check.sh: GPU; not algorithms_table.py: a report over runs)
 	@# the [bench] extra (TRL, for bench/peer_trl.py), never replacing the installed torch or transformers
 	$(BIN)/python -c 'import torch, transformers; print(f"torch=={torch.__version__}\ntransformers=={transformers.__version__}")' > $(VENV)/bench-constraints.txt

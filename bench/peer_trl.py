@@ -94,7 +94,7 @@ def save_model(folder: Path) -> None:
 def smd_command(algo: str, steps: int, prompt_tokens: int, run_dir: Path) -> list[str]:
     return [sys.executable, "-m", "smd_cli.cli", "train", f"hydra.run.dir={run_dir}", f"steps={steps}", f"seed={SEED}",
             "device=cpu", "threads=1", "progress=false", "model.warmstart.steps=0", "eval.num_prompts=0",
-            "task._target_=peer_trl.DigitNeedle", f"task.prompt_tokens={prompt_tokens - 1}",
+            "task=needle", "task._target_=peer_trl.DigitNeedle", f"task.prompt_tokens={prompt_tokens - 1}",
             f"grpo.prompts_per_step={PROMPTS_PER_STEP}", f"grpo.num_generations={GENERATIONS}", "grpo.beta=0.0",
             f"sampling.max_new_tokens={NEW_TOKENS}", "sampling.temperature=1.0", "sampling.top_p=1.0", f"optim.lr={LR}",
             "checkpoint.every=0", "checkpoint.keep_last=1", "guard.collapse_steps=0", *SMD_ALGOS[algo]]

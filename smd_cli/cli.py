@@ -26,6 +26,7 @@ STAGES = {
     "eval": ("evaluate", "eval", "evaluate a checkpoint or base model on a task's test split"),
     "ablate": ("ablate", "ablate", "sweep train+eval over values, then one table and one plot"),
     "plan": ("plan", "plan", "predict each phase's peak memory of a train config; what fits a GPU"),
+    "reproduce": ("reproduce", "reproduce", "the paper's tables and ablations (recipes), benchmarks, then REPORT.md"),
 }
 
 
@@ -43,14 +44,14 @@ def register_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
 
 
 def sweep_arguments(args: list[str]) -> list[str]:
-    """`smd ablate lambda=0.1,0.8 algo=smd` -> the swept `KEY=v1,v2` go to `ablate.sweep`, the rest stay."""
+    """`smd ablate lambda=0.1,0.8 algo=smd` -> the swept `KEY=v1,v2` go to `ablate.command_line`, the rest stay."""
     swept, rest = [], []
     for arg in args:
         key, sep, value = arg.partition("=")
         is_sweep = sep and "," in value and not key.startswith(("hydra", "+", "~", "-", "ablate.")) and value[:1] not in "[{'\""
         (swept if is_sweep else rest).append(arg)
     if swept:
-        rest.append("ablate.sweep=[" + ",".join(f"'{s}'" for s in swept) + "]")
+        rest.append("ablate.command_line=[" + ",".join(f"'{s}'" for s in swept) + "]")
     return rest
 
 

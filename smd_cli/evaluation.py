@@ -3,8 +3,10 @@ task's own metrics (the same functions that are its reward).
 
 `evaluate` is the library half of the `eval` stage: it takes plain objects (model, tokenizer, task,
 examples, an optional eviction policy) and returns per-example rows plus a summary with each metric's
-mean and standard error, the KV-cache and process peak memory, and throughput. Prompts are sorted by
-length before batching (less left padding), and rows come back in the examples' order.
+mean and standard error, the KV-cache and process peak memory, throughput and, under eviction on a task that
+names its answer-bearing prompt positions (the synthetic ones), how much of that evidence survived
+(`evidence/kept_l{l}`). Prompts are sorted by length before batching (less left padding), and rows come
+back in the examples' order.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any
 
 import torch
 
-from smd_cli.rollout import ended_with_eos, generate, response_texts
+from smd_cli.rollout import RolloutBatch, ended_with_eos, generate, response_texts
+from smd_cli.shadow import kept_through
 from smd_cli.tasks.base import Example, Task
 
 
@@ -31,6 +34,27 @@ def _progress(enabled: bool, total: int):
 
     progress = Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), disable=not enabled)
     return progress, progress.add_task("examples", total=total)
+
+
+def evidence_columns(task: Task, batch: RolloutBatch, examples: list[Example], prompts: list[list[int]]) -> list[list[int]] | None:
+    """Each row's answer-bearing prompt columns in `batch` (left-padded to its prompt width), from the task's
+    `evidence_positions`; None for a task that names none (the paper's datasets)."""
+    locate = getattr(task, "evidence_positions", None)
+    if locate is None:
+        return None
+    P = batch.prompt_length
+    return [[P - len(p) + q for q in locate(e, p)] for e, p in zip(examples, prompts, strict=True)]
+
+
+def evidence_kept(task: Task, batch: RolloutBatch, examples: list[Example], prompts: list[list[int]]) -> dict[str, float]:
+    """How much of the answer-bearing KV survived the rollout's eviction: `evidence/kept_l{l}` per layer (over
+    rows, evidence keys and KV heads) and `evidence/kept` (their mean). Empty for a dense rollout or a task
+    without evidence positions."""
+    columns = evidence_columns(task, batch, examples, prompts) if batch.evict_at is not None else None
+    if columns is None or not any(columns):
+        return {}
+    per_layer = kept_through(batch.evict_at, columns)
+    return {"evidence/kept": float(per_layer.mean()), **{f"evidence/kept_l{layer}": float(v) for layer, v in enumerate(per_layer)}}
 
 
 def _scores(task: Task, completion: str, example: Example) -> dict[str, float]:
@@ -66,6 +90,7 @@ def evaluate(
     order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
     rows: list[dict[str, Any] | None] = [None] * len(examples)
     kv_peak, kv_peak_dense, response_tokens = 0.0, 0.0, 0
+    kept: dict[str, float] = {}  # evidence/* summed over rows (each batch's means weighted by its rows)
     started = time.perf_counter()
     bar, bar_task = _progress(progress, len(examples))
     with bar:
@@ -77,6 +102,8 @@ def evaluate(
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
             )
             kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])
+            for key, value in evidence_kept(task, batch, [examples[i] for i in chunk], [prompts[i] for i in chunk]).items():
+                kept[key] = kept.get(key, 0.0) + value * len(chunk)
             kv_peak_dense = max(kv_peak_dense, batch.stats.get("kv/bytes_peak_dense", float("nan")))
             texts, finished = response_texts(batch, tokenizer), ended_with_eos(batch, tokenizer.eos_token_id).tolist()
             lengths = batch.response_mask.sum(1).tolist()
@@ -99,6 +126,7 @@ def evaluate(
         "seconds": seconds,
         "tokens_per_second": response_tokens / max(seconds, 1e-9),
         **peak_memory_bytes(device),
+        **{key: total / len(examples) for key, total in kept.items()},
     })
     if policy is None:
         summary["kv/bytes_peak_dense"] = kv_peak_dense

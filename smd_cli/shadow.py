@@ -54,6 +54,18 @@ def decode_visibility(evict_at: torch.Tensor) -> torch.Tensor:
     return torch.stack([visibility(evict_at[:, layer], columns) for layer in range(evict_at.shape[1])], dim=1)
 
 
+def kept_through(evict_at: torch.Tensor, columns: list[list[int]]) -> torch.Tensor:
+    """Per layer [L]: the fraction of the named keys that no query of the rollout lost, over rows, keys and KV
+    heads. evict_at [B, L, Hkv, T] (final, never-evicted = T); `columns[b]` the key columns of row b (may be
+    empty). NaN when no row names a key."""
+    rows = [b for b, cols in enumerate(columns) for _ in cols]
+    if not rows:
+        return torch.full((evict_at.shape[1],), float("nan"))
+    keys = torch.tensor([c for cols in columns for c in cols], device=evict_at.device)
+    picked = evict_at[torch.tensor(rows, device=evict_at.device), :, :, keys]  # [n, L, Hkv]
+    return (picked >= evict_at.shape[-1]).float().mean(dim=(0, 2)).cpu()
+
+
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.LongTensor:
     """Real-token positions with left padding: cumsum - 1, padding at 0. [B, T] long."""
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)

@@ -22,17 +22,20 @@ def hydra_conf():
 
 
 def test_the_config_tree_is_what_we_think():
-    assert PRIMARY == ["ablate", "eval", "plan", "prepare_data", "rollout", "train"]
+    assert PRIMARY == ["ablate", "eval", "plan", "prepare_data", "reproduce", "rollout", "train"]
     groups = {}
     for p in GROUP_FILES:
         groups.setdefault(p.parent.name, []).append(p.stem)
-    assert sorted(groups) == ["algo", "eviction", "model", "optim", "task"]
+    assert sorted(groups) == ["algo", "eviction", "model", "optim", "scale", "task"]
     assert sorted(groups["algo"]) == ["dense", "naive_sparse", "smd", "sparse_rl", "tis"]
     assert sorted(groups["eviction"]) == ["h2o", "knorm", "none", "random", "recent", "snapkv"]
-    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "tldr"]
+    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "tldr", "vote"]
     assert sorted(groups["model"]) == ["qwen3_4b", "qwen3_4b_random", "tiny"]
-    assert len(GROUP_FILES) == 22  # 5 algo + 6 eviction + 6 task + 3 model + 2 optim
-    assert RECIPES == ["govreport", "gsm8k", "hotpotqa", "tiny_naive_sparse", "tiny_smd", "tldr"]
+    assert sorted(groups["scale"]) == ["paper", "tiny"]
+    assert len(GROUP_FILES) == 25  # 5 algo + 6 eviction + 7 task + 3 model + 2 optim + 2 scale
+    assert RECIPES == ["ablate_compression", "ablate_lambda", "ablate_selection", "govreport", "gsm8k", "hotpotqa", "main_table",
+                       "paper_ablate_compression", "paper_ablate_lambda", "paper_ablate_selection", "paper_main_table",
+                       "tiny_naive_sparse", "tiny_smd", "tldr"]
 
 
 @pytest.mark.parametrize("name", PRIMARY)

@@ -4,6 +4,7 @@ the KV cache, and the summary is the task's metrics over the per-example rows.""
 import json
 
 import pytest
+import torch
 
 from smd_cli.evaluation import evaluate
 from smd_cli.tasks.gsm8k import GSM8K
@@ -53,3 +54,34 @@ def test_evaluate_rejects_bad_input(tiny_model, tiny_tokenizer, gsm8k_examples):
         evaluate(tiny_model, tiny_tokenizer, task, [], max_new_tokens=4)
     with pytest.raises(ValueError, match="eval.batch_size must be >= 1, got 0"):
         evaluate(tiny_model, tiny_tokenizer, task, examples, max_new_tokens=4, batch_size=0)
+
+
+def test_kept_through_counts_never_evicted_keys_by_hand():
+    from smd_cli.shadow import kept_through
+
+    T = 6
+    evict_at = torch.full((2, 2, 2, T), T, dtype=torch.int32)  # [B, L, Hkv, T]: nothing evicted
+    evict_at[0, 0, 0, 1] = 4  # row 0, layer 0, head 0 loses column 1 at query 4
+    evict_at[0, 1, :, 2] = 3  # row 0, layer 1, both heads lose column 2
+    evict_at[1, 0, 1, 3] = 5  # row 1, layer 0, head 1 loses column 3
+    # named keys: row 0 columns 1 and 2, row 1 column 3 -> 3 keys x 2 heads = 6 entries per layer
+    kept = kept_through(evict_at, [[1, 2], [3]])
+    assert kept.tolist() == pytest.approx([4 / 6, 4 / 6])  # layer 0 loses (0,h0,1) and (1,h1,3); layer 1 both heads of (0,2)
+    assert kept_through(evict_at, [[], []]).isnan().all()
+
+
+def test_evaluation_under_eviction_reports_the_answer_evidence_kept(tiny_model, tiny_tokenizer):
+    from smd_cli.eviction.recent import Recent
+    from smd_cli.tasks.synthetic import MajorityVote
+
+    task = MajorityVote(prompt_tokens=48)
+    examples = task.examples("test", limit=6)
+    policy = Recent(compression=0.5, sink=0, window=4)  # keeps the newest ceil(0.5 * 49) = 25 prompt tokens, every layer and head
+    _, summary = evaluate(tiny_model, tiny_tokenizer, task, examples, max_new_tokens=3, batch_size=4, policy=policy)
+    # by hand: a marked value survives iff it is among the last 25 prompt positions (bos + 48 words)
+    ids = [task.encode_prompt(e, tiny_tokenizer) for e in examples]
+    kept = [p >= len(i) - 25 for e, i in zip(examples, ids) for p in task.evidence_positions(e, i)]
+    assert 0 < sum(kept) < len(kept)  # some marks in the kept window, some not
+    assert summary["evidence/kept_l0"] == pytest.approx(sum(kept) / len(kept)) == summary["evidence/kept_l1"]
+    _, dense = evaluate(tiny_model, tiny_tokenizer, task, examples, max_new_tokens=3)
+    assert "evidence/kept" not in dense

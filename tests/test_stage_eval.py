@@ -100,7 +100,7 @@ def test_eviction_shrinks_the_cache_and_sampling_is_seeded(tmp_path):
     ("eval.top_p=0", r"eval.top_p=0 is not allowed: in \(0, 1\]"),
     ("checkpoint=/no/such/dir", "checkpoint='/no/such/dir' is not allowed: an existing directory"),
     ("compression=1.0", r"compression=1.0 is not allowed"),
-    ("split=dev", "task=needle split 'dev'"),
+    ("split=dev", "task=vote split 'dev'"),
 ])
 def test_bad_values_are_named(tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):

@@ -12,7 +12,7 @@ from smd_cli.models import build_tiny_tokenizer
 from smd_cli.stages import prepare_data as stage
 from smd_cli.stages.common import ConfigError
 from smd_cli.tasks import govreport, gsm8k
-from smd_cli.tasks.synthetic import NeedleRetrieval
+from smd_cli.tasks.synthetic import MajorityVote
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TRAIN = [("What is 2 + 2?", "2 + 2 = 4\n#### 4"), ("Tom has 1,000 apples and eats 1. How many are left?", "#### 999"),
@@ -87,15 +87,16 @@ def test_govreport_truncation_keeps_the_request(tmp_path):
     assert "meta" not in rows[0]  # the document is in the prompt, not repeated
 
 
-def test_needle_default_task_and_out_dir(tmp_path):
+def test_default_task_and_out_dir(tmp_path):
     out = tmp_path / "data"
     summary = stage.run(config(tmp_path, "task.prompt_tokens=48", "limit=4", f"out_dir={out}"))
-    task = NeedleRetrieval(prompt_tokens=48, max_new_tokens=4)
+    task = MajorityVote(prompt_tokens=48, max_new_tokens=4)
     for split in ("train", "test"):
         rows = read_jsonl(out / f"{split}.jsonl")
         want = task.examples(split, limit=4)
         assert [(r["id"], r["prompt"], r["reference"]) for r in rows] == [(e["id"], e["prompt"], e["reference"]) for e in want]
         assert [r["meta"]["needle_offsets"] for r in rows] == [e["needle_offsets"] for e in want]
+        assert [r["meta"]["evidence"] for r in rows] == [e["evidence"] for e in want]
         assert {r["prompt_tokens"] for r in rows} == {49}  # 48 single-token words + <bos>
         assert summary["splits"][split]["prompt_tokens"] == {"min": 49, "mean": 49, "p50": 49, "p95": 49, "max": 49}
     assert json.loads((out / "summary.json").read_text()) == json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -113,7 +114,7 @@ def test_errors_name_the_field_file_or_key(tmp_path, gsm8k_files):
         stage.run(config(tmp_path, "task=gsm8k", f"task.data_files='{tmp_path / 'missing.jsonl'}'"))
     with pytest.raises(ConfigError, match=r"gsm8k has splits \['train', 'test'\], not 'validation'"):
         stage.run(config(tmp_path, "task=gsm8k", gsm8k_files, "splits=[validation]"))
-    with pytest.raises(ConfigError, match="task=needle split 'dev'"):
+    with pytest.raises(ConfigError, match="task=vote split 'dev'"):
         stage.run(config(tmp_path, "splits=[dev]", "limit=2"))
     with pytest.raises(ConfigError, match="limit=0 is not allowed: null .* or an integer >= 1"):
         stage.run(config(tmp_path, "limit=0"))
@@ -128,7 +129,7 @@ def test_threads_accepted_like_every_stage(tmp_path):
 
     before = torch.get_num_threads()
     try:
-        summary = stage.run(config(tmp_path, "threads=1", "task.prompt_tokens=16", "limit=2", "splits=[test]"))
+        summary = stage.run(config(tmp_path, "threads=1", "task.prompt_tokens=24", "limit=2", "splits=[test]"))
         assert summary["splits"]["test"]["n"] == 2 and torch.get_num_threads() == 1
         assert json.loads((tmp_path / "run" / "config.json").read_text())["threads"] == 1
     finally:

@@ -3,7 +3,7 @@
 import pytest
 
 from smd_cli.models import tiny_words
-from smd_cli.tasks.synthetic import MultiNeedleRetrieval, NeedleRetrieval
+from smd_cli.tasks.synthetic import MajorityVote, MultiNeedleRetrieval, NeedleRetrieval
 
 
 def test_tokenizer_round_trips_text_and_keeps_task_words_whole(tiny_tokenizer):
@@ -58,3 +58,39 @@ def test_bad_task_settings_are_named(kwargs, message):
         MultiNeedleRetrieval(**kwargs)
     with pytest.raises(ValueError, match="split='dev'"):
         NeedleRetrieval().example("dev", 0)
+
+
+def test_majority_vote_layout_and_evidence_positions(tiny_tokenizer):
+    task = MajorityVote(prompt_tokens=64, num_marks=5, majority=3)
+    ex = task.example("test", 7)
+    assert ex == MajorityVote(prompt_tokens=64).example("test", 7)  # a pure function of (seed, split, index)
+    words = ex["prompt"].split()
+    assert len(words) == 64 and words[-1] == "QUERY" and words.count("NEEDLE") == 5
+    marked = [words[i + 1] for i, w in enumerate(words) if w == "NEEDLE"]
+    counts = {v: marked.count(v) for v in marked}
+    (answer, top), = [(v, c) for v, c in counts.items() if c == max(counts.values())]
+    assert top == 3 and sorted(counts.values()) == [1, 1, 3] and ex["reference"] == f" ANSWER {answer}"
+    ids = task.encode_prompt(ex, tiny_tokenizer)
+    positions = task.evidence_positions(ex, ids)
+    assert len(positions) == 3 and [tiny_tokenizer.decode([ids[p]]) for p in positions] == [f" {answer}"] * 3
+    assert all(tiny_tokenizer.decode([ids[p - 1]]) == " NEEDLE" for p in positions)
+
+
+def test_evidence_positions_of_the_retrieval_tasks(tiny_tokenizer):
+    needle = NeedleRetrieval(prompt_tokens=40)
+    ex = needle.example("train", 3)
+    ids = needle.encode_prompt(ex, tiny_tokenizer)
+    assert [tiny_tokenizer.decode([ids[p]]).strip() for p in needle.evidence_positions(ex, ids)] == ex["reference"].split()[1:]
+    multi = MultiNeedleRetrieval(prompt_tokens=60, num_needles=3, value_tokens=2)
+    ex = multi.example("train", 3)
+    ids = multi.encode_prompt(ex, tiny_tokenizer)
+    key, values = ex["prompt"].split()[-1], ex["reference"].split()[1:]
+    assert [tiny_tokenizer.decode([ids[p]]).strip() for p in multi.evidence_positions(ex, ids)] == [key, *values]
+
+
+@pytest.mark.parametrize("kwargs, message", [({"num_marks": 4, "majority": 2}, "strict majority"),
+                                             ({"num_marks": 5, "majority": 6}, "strict majority"),
+                                             ({"prompt_tokens": 16}, "too short for 5 marks")])
+def test_bad_vote_settings_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        MajorityVote(**kwargs)

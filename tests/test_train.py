@@ -46,7 +46,7 @@ def compose_train(tmp_path, *overrides):
         ("grpo.loss_agg=sum", "grpo.loss_agg='sum' is not allowed: token_mean or seq_mean_token_mean"),
         ("compression=1.5", "compression=1.5 is not allowed: a fraction in [0, 1)"),
         ("sampling.temperature=0", "sampling.temperature=0 is not allowed: > 0"),
-        ("eviction=snapkv", "algo=dense samples without eviction, but eviction=SnapKV was set"),
+        ("algo=dense,eviction=snapkv", "algo=dense samples without eviction, but eviction=SnapKV was set"),
         ("task.prompt_tokens=4", "task: task.prompt_tokens=4: too short"),
         ("device=cuda", "device='cuda' but no CUDA device is available"),
     ],
@@ -54,7 +54,7 @@ def compose_train(tmp_path, *overrides):
 def test_config_errors_name_key_value_and_range(tmp_path, override, message):
     if override == "device=cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
-    cfg = compose_train(tmp_path, *TINY_RUN, override)
+    cfg = compose_train(tmp_path, *TINY_RUN, *override.split(","))
     with pytest.raises(ConfigError) as err:
         train.run(cfg)
     assert message in str(err.value)
@@ -76,19 +76,32 @@ def test_a_grpo_step_changes_the_parameters(tiny_model, tiny_tokenizer):
 
 
 @pytest.mark.slow
-def test_short_dense_run_writes_everything(tmp_path):
+def test_short_default_run_writes_everything(tmp_path, capsys):
+    """`smd train` as it is (SMD, SnapKV at c = 0.5, the vote task), shortened: metrics per step, held-out both ways."""
     cfg = compose_train(tmp_path, *TINY_RUN)
+    assert (cfg.algo.name, cfg.eviction._target_.rsplit(".", 1)[1], cfg.compression) == ("smd", "SnapKV", 0.5)
     tree_before = git_commit_of_work_tree()
     summary = train.run(cfg)
     run = tmp_path / "run"
     assert {"config.json", "provenance.json", "metrics.jsonl", "summary.json"} <= {p.name for p in run.iterdir()}
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
-    for key in ("reward", "reward_std", "loss", "entropy", "grad_norm", "mismatch/max_abs_diff", "time/rollout_s", "kv/bytes_peak"):
+    for key in ("reward", "reward_std", "loss", "entropy", "grad_norm", "mismatch/max_abs_diff", "time/rollout_s", "kv/bytes_peak",
+                "evidence/kept", "evidence/kept_l0", "evidence/kept_l1"):
         assert key in rows[0], key
+    assert all(0 <= r["evidence/kept_l0"] <= 1 and r["evidence/kept"] == pytest.approx((r["evidence/kept_l0"] + r["evidence/kept_l1"]) / 2)
+               for r in rows)
     saved = json.loads((run / "summary.json").read_text())
     assert saved["eval/reward_before"] == summary["eval/reward_before"]
     assert 0.0 <= saved["eval/reward_after"] <= 1.0
+    for when in ("before", "after"):  # held-out both ways: a dense cache and the run's own eviction
+        assert 0.0 <= saved[f"eval/evict/reward_{when}"] <= 1.0 and 0.0 <= saved[f"eval/evict/greedy_reward_{when}"] <= 1.0
+        assert 0.0 < saved[f"eval/evict/kept_{when}"] < 1.0 and f"eval/evict/kept_l1_{when}" in saved
+    assert saved["train/mismatch/max_abs_diff_max"] == max(r["mismatch/max_abs_diff"] for r in rows) <= 1e-5  # SMD's parity
+    assert saved["train/kv/kept_fraction_mean"] == pytest.approx(sum(r["kv/kept_fraction"] for r in rows) / 2)
+    printed = " ".join(capsys.readouterr().out.split())
+    for label in ("reward, dense cache (T=1)", "reward, SnapKV c=0.5 (T=1)", "sampler/learner parity", "KV entries kept by the sampler"):
+        assert label in printed, label
     provenance = json.loads((run / "provenance.json").read_text())
     assert provenance["versions"]["torch"] == torch.__version__
     # the commit that ran, computed here independently; the work tree may change while the run goes on (other
@@ -97,3 +110,12 @@ def test_short_dense_run_writes_everything(tmp_path):
     assert json.loads((run / "config.json").read_text())["grpo"]["num_generations"] == 4
     # the warm start is cached: a second run reuses it
     assert any((tmp_path / "cache" / "warmstart").iterdir())
+
+
+@pytest.mark.slow
+def test_dense_run_is_evaluated_under_snapkv_too_unless_asked_not_to(tmp_path):
+    dense = train.run(compose_train(tmp_path / "a", *TINY_RUN, "algo=dense"))
+    assert 0.0 <= dense["eval/evict/reward_after"] <= 1.0 and "last/evidence/kept" not in dense  # its sampler never evicts
+    off = train.run(compose_train(tmp_path / "b", *TINY_RUN, "algo=dense", "eval.evicting=false"))
+    assert not [k for k in off if k.startswith("eval/evict/")]
+    assert off["eval/reward_after"] == dense["eval/reward_after"]  # the same training and dense evaluation

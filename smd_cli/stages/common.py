@@ -104,11 +104,17 @@ def build_task(cfg: DictConfig):
         raise ConfigError(f"task: {_root_cause(err)}") from None
 
 
-def build_policy(cfg: DictConfig):
-    """The eviction policy of `cfg.eviction`, or None for a dense rollout."""
+def build_policy(cfg: DictConfig, option: str | None = None):
+    """The eviction policy of `cfg.eviction`, or of the `eviction` group's `option` (e.g. "snapkv") at the run's
+    `compression` and seed."""
     check(0.0 <= float(cfg.compression) < 1.0, "compression", cfg.compression, "a fraction in [0, 1) of prompt KV entries to evict")
+    node = cfg.eviction
+    if option is not None:
+        path = ROOT / "conf" / "eviction" / f"{option}.yaml"
+        check(path.is_file(), "eviction option", option, f"one of {', '.join(sorted(p.stem for p in path.parent.glob('*.yaml')))}")
+        node = OmegaConf.create({"compression": cfg.compression, "seed": cfg.get("seed", 0), "eviction": OmegaConf.load(path)}).eviction
     try:
-        return instantiate(cfg.eviction)
+        return instantiate(node)
     except Exception as err:
         raise ConfigError(f"eviction: {_root_cause(err)}") from None
 

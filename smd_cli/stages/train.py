@@ -25,17 +25,18 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
 
 from smd_cli import checkpoint as ckpt
-from smd_cli.evaluation import evaluate
+from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import MetricsLog, write_json
+from smd_cli.io import MetricsLog, read_jsonl, write_json
 from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
+from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, start_run
 from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, stop_diverged
 
 def validate(cfg: DictConfig) -> None:
@@ -68,6 +69,9 @@ def validate(cfg: DictConfig) -> None:
     check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
     check(cfg["lambda"] >= 0, "lambda", cfg["lambda"], ">= 0 (the SMD distillation weight)")
     check(cfg.eval.num_prompts >= 0, "eval.num_prompts", cfg.eval.num_prompts, ">= 0")
+    check(isinstance(cfg.eval.evicting, bool), "eval.evicting", cfg.eval.evicting, "true or false")
+    if cfg.eval.evicting and not cfg.algo.evicting and cfg.eval.dense_eviction is not None:
+        build_policy(cfg, cfg.eval.dense_eviction)  # a wrong option is named now, not after training
     c = cfg.checkpoint
     check(isinstance(c.every, int) and c.every >= 0, "checkpoint.every", c.every, "an integer >= 0 (0: only at the end)")
     check(c.keep_last is None or (isinstance(c.keep_last, int) and c.keep_last >= 1), "checkpoint.keep_last", c.keep_last,
@@ -130,19 +134,43 @@ def prompts_at(task, step: int, per_step: int, seed: int, pool: list | None) -> 
     return picked
 
 
+def eval_policy(cfg: DictConfig):
+    """A fresh instance of the policy the evicting held-out evaluation runs (`eval/evict/*`): the run's own
+    eviction policy, or for a dense run `eval.dense_eviction` at `compression` (what a dense-trained policy
+    meets when deployed with eviction); None when `eval.evicting` is off or nothing evicts."""
+    if not cfg.eval.evicting:
+        return None
+    if cfg.algo.evicting:
+        policy = build_policy(cfg)
+    elif cfg.eval.dense_eviction:
+        policy = build_policy(cfg, cfg.eval.dense_eviction)
+    else:
+        return None
+    return None if isinstance(policy, KeepAll) else policy
+
+
 def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, float]:
-    """Reward on held-out prompts at the eval temperature (seeded; the policy's expected reward), and
-    greedy when `eval.greedy`: `eval/reward_{when}`, `eval/greedy_reward_{when}`."""
+    """Reward on held-out prompts at the eval temperature (seeded; the policy's expected reward), and greedy
+    when `eval.greedy`, with a dense cache (`eval/reward_{when}`, `eval/greedy_reward_{when}`) and under the
+    evicting policy of `eval_policy` (`eval/evict/...`, with how much answer-bearing KV it kept). A paper task
+    also reports each of its metrics (`eval/rougeL_{when}`, ...); `reward` is its primary one."""
     if not examples:
         return {}
     out = {}
-    for key, temperature in (("reward", cfg.eval.temperature), ("greedy_reward", 0.0 if cfg.eval.greedy else None)):
-        if temperature is None:
-            continue
-        _, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=cfg.sampling.max_new_tokens,
-                              batch_size=cfg.eval.batch_size, temperature=temperature, top_p=cfg.sampling.top_p,
-                              seed=cfg.seed + 1, progress=cfg.progress)
-        out[f"eval/{key}_{when}"] = summary["reward"]
+    views = ["eval"] + (["eval/evict"] if eval_policy(cfg) is not None else [])
+    for prefix in views:
+        for key, temperature in (("reward", cfg.eval.temperature), ("greedy_reward", 0.0 if cfg.eval.greedy else None)):
+            if temperature is None:
+                continue
+            policy = eval_policy(cfg) if prefix == "eval/evict" else None  # fresh: the same random choices every time
+            _, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=cfg.sampling.max_new_tokens,
+                                  batch_size=cfg.eval.batch_size, temperature=temperature, top_p=cfg.sampling.top_p,
+                                  policy=policy, seed=cfg.seed + 1, progress=cfg.progress)
+            out[f"{prefix}/{key}_{when}"] = summary["reward"]
+            if key == "reward":
+                metrics = getattr(task, "metric_list", ())
+                out.update({f"{prefix}/{m.name}_{when}": summary[m.name] for m in metrics})
+                out.update({f"{prefix}/{k.removeprefix('evidence/')}_{when}": v for k, v in summary.items() if k.startswith("evidence/")})
     return out
 
 
@@ -215,8 +243,9 @@ def run(cfg: DictConfig) -> dict:
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps, "status": "completed"})
     summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})
+    summary.update(run_statistics(log.path))
     write_json(run_dir / "summary.json", summary)
-    print_summary(summary, run_dir)
+    print_summary(summary, run_dir, cfg)
     return summary
 
 
@@ -234,18 +263,20 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
                  measure_dense_kv=False, compile=s.get("compile", "auto"))
         for i in range(0, len(prompts), chunk)
     ], tokenizer.pad_token_id)
+    batch.stats.update(evidence_kept(task, batch, examples, prompts))
     return batch, torch.tensor(rollout_rewards(batch, tokenizer, task, examples))
 
 
 def rollout_metrics(batch, rewards: torch.Tensor, G: int, eos_token_id: int) -> dict[str, float]:
-    """Reward and completion statistics of one step's rollout (TRL names), and its `kv/*` numbers."""
+    """Reward and completion statistics of one step's rollout (TRL names), its `kv/*` numbers and how much
+    answer-bearing KV its eviction kept (`evidence/*`, synthetic tasks)."""
     grouped = rewards.view(-1, G)
     return {
         "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "frac_reward_zero_std": float((grouped.std(1) == 0).float().mean()),
         "completions/mean_length": float(batch.response_mask.sum(1).float().mean()),
         "completions/clipped_ratio": float((~ended_with_eos(batch, eos_token_id)).float().mean()),
-        **{k: v for k, v in batch.stats.items() if k.startswith("kv/")},
+        **{k: v for k, v in batch.stats.items() if k.startswith(("kv/", "evidence/"))},
     }
 
 
@@ -260,8 +291,53 @@ def rollout_rewards(batch, tokenizer, task, examples) -> list[float]:
     return [float(task.reward(t, e)) for t, e in zip(response_texts(batch, tokenizer), examples)]
 
 
-def print_summary(summary: dict, run_dir) -> None:
-    print_metrics(f"smd train: {run_dir}", summary,
-                  ("eval/reward_before", "eval/reward_after", "eval/greedy_reward_before", "eval/greedy_reward_after", "last/reward",
-                   "last/mismatch/max_abs_diff", "last/mismatch/dense_max_abs_diff", "last/kv/kept_fraction",
-                   "last/memory/rollout_peak_bytes", "last/memory/learner_peak_bytes", "train/skipped_steps", "train/seconds"))
+def run_statistics(path) -> dict[str, float]:
+    """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
+    the learner's own view and of a dense learner, and the mean KV and answer-bearing KV kept."""
+    rows = read_jsonl(path) if path.is_file() else []
+    out = {}
+    for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
+                        ("evidence/kept", None)):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            out[f"train/{key}" + ("_max" if reduce else "_mean")] = reduce(values) if reduce else sum(values) / len(values)
+    return out
+
+
+def print_summary(summary: dict, run_dir, cfg: DictConfig) -> None:
+    """What a newcomer needs side by side: held-out reward before and after (dense cache and under eviction),
+    then the learner's parity with its sampler, a dense learner's mismatch on the same rollouts, the KV kept."""
+    policy = eval_policy(cfg)
+    evicting = "no eviction" if policy is None else f"{type(policy).__name__} c={cfg.compression:g}"
+    table = Table(title=f"smd train algo={cfg.algo.name}: {run_dir}")
+    for name, justify in (("held-out (test split)", "left"), ("before", "right"), ("after", "right")):
+        table.add_column(name, justify=justify)
+    for label, key in ((f"reward, dense cache (T={cfg.eval.temperature:g})", "eval/reward"), ("greedy reward, dense cache", "eval/greedy_reward"),
+                       (f"reward, {evicting} (T={cfg.eval.temperature:g})", "eval/evict/reward"),
+                       (f"greedy reward, {evicting}", "eval/evict/greedy_reward"),
+                       (f"answer-bearing KV kept, {evicting}", "eval/evict/kept")):
+        if f"{key}_before" in summary or f"{key}_after" in summary:
+            table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
+    console.print(table)
+    rows = (("sampler/learner parity: max |log p_learner - log p_sampler| over steps", "train/mismatch/max_abs_diff_max"),
+            ("a dense learner on the same rollouts: max |log p_dense - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
+            ("KV entries kept by the sampler (mean over steps)", "train/kv/kept_fraction_mean"),
+            ("answer-bearing KV kept by the sampler (mean over steps)", "train/evidence/kept_mean"),
+            ("training reward of the sampler, last step", "last/reward"),
+            ("peak memory: rollout / learner (bytes)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
+            ("GRPO seconds", "train/seconds"))
+    training = Table(title=f"training ({cfg.steps} steps, sampler: {evicting if cfg.algo.evicting else 'no eviction'})")
+    training.add_column("metric")
+    training.add_column("value", justify="right")
+    for label, key in rows:
+        if key is None:
+            peaks = [summary.get(f"last/memory/{phase}_peak_bytes") for phase in ("rollout", "learner")]
+            if all(isinstance(p, (int, float)) for p in peaks):
+                training.add_row(label, " / ".join(_number(p) for p in peaks))
+        elif isinstance(summary.get(key), (int, float)):
+            training.add_row(label, _number(summary[key]))
+    console.print(training)
+
+
+def _number(value) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.4g}"

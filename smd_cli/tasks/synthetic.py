@@ -80,17 +80,26 @@ class MultiNeedleRetrieval(Task):
         order = rng.sample(range(self.num_needles), self.num_needles)
         for offset, which in zip(offsets, order):
             words[offset:offset] = needles[which]
+        # the queried needle's own words (its key and values; the value alone with one needle)
+        start = offsets[order.index(0)] + sum(len(needles[w]) for o, w in zip(offsets, order) if o < offsets[order.index(0)])
+        evidence = list(range(start + 1, start + len(needles[0])))
         answer = " ".join(f"v{v}" for v in values[0])
         return {
             "id": f"{self.name}-{split}-{index}",
             "prompt": " " + " ".join(words + query),
             "reference": " ANSWER " + answer,
             "needle_offsets": sorted(offsets),
+            "evidence": evidence,
         }
 
     def examples(self, split: str, limit: int | None = None, start: int = 0) -> list[Example]:
         n = self.size.get(split, 0) if limit is None else limit
         return [self.example(split, start + i) for i in range(n)]
+
+    def evidence_positions(self, example: Example, prompt_ids: list[int]) -> list[int]:
+        """Token positions in `prompt_ids` (from `encode_prompt`) of the words the answer is read from
+        (`example["evidence"]`, word indices): one token per word, the words last."""
+        return [len(prompt_ids) - len(example["prompt"].split()) + i for i in example.get("evidence", [])]
 
     def reward(self, completion: str, example: Example) -> float:
         """0 without the leading ANSWER marker; else the value tokens reproduced in place over
@@ -110,3 +119,46 @@ class NeedleRetrieval(MultiNeedleRetrieval):
 
     def __init__(self, prompt_tokens: int = 256, value_tokens: int = 1, **kwargs):
         super().__init__(prompt_tokens=prompt_tokens, num_needles=1, value_tokens=value_tokens, **kwargs)
+
+
+class MajorityVote(MultiNeedleRetrieval):
+    """`num_marks` marked values (`NEEDLE v`) in filler, `majority` of them equal and the others distinct;
+    answer the value marked most often (`ANSWER v`).
+
+    The answer is computed from several prompt positions rather than copied from one: an eviction that keeps
+    some of the majority's copies may still leave it recoverable, one that keeps more of the minority's may
+    not, so the reward under eviction falls with how much of the evidence survives instead of all at once."""
+
+    name = "vote"
+
+    def __init__(self, prompt_tokens: int = 256, num_marks: int = 5, majority: int = 3, **kwargs):
+        super().__init__(prompt_tokens=prompt_tokens, num_needles=1, value_tokens=1, **kwargs)
+        if not 2 * majority > num_marks >= majority >= 1:
+            raise ValueError(f"task.majority={majority}: must be a strict majority of task.num_marks={num_marks}")
+        if num_marks - majority + 1 > self.num_values:
+            raise ValueError(f"task.num_marks={num_marks}: needs {num_marks - majority + 1} distinct values, "
+                             f"task.num_values={self.num_values}")
+        if prompt_tokens < 2 * num_marks + 8:
+            raise ValueError(f"task.prompt_tokens={prompt_tokens}: too short for {num_marks} marks (need >= {2 * num_marks + 8})")
+        self.num_marks, self.majority = num_marks, majority
+
+    def example(self, split: str, index: int) -> Example:
+        if split not in SPLIT_SEEDS:
+            raise ValueError(f"split={split!r}: the synthetic tasks have splits {sorted(SPLIT_SEEDS)}")
+        rng = random.Random(f"{self.name}/{self.seed}/{SPLIT_SEEDS[split]}/{index}")
+        answer, *others = rng.sample(range(self.num_values), self.num_marks - self.majority + 1)
+        marks = [answer] * self.majority + others
+        rng.shuffle(marks)
+        n_filler = self.prompt_tokens - 2 * self.num_marks - 1
+        words = [f"f{rng.randrange(self.num_filler)}" for _ in range(n_filler)]
+        offsets = sorted(rng.sample(range(n_filler + 1), self.num_marks))
+        for offset, value in zip(reversed(offsets), reversed(marks)):  # back to front: earlier offsets stay valid
+            words[offset:offset] = ["NEEDLE", f"v{value}"]
+        evidence = [i for i, w in enumerate(words) if w == f"v{answer}"]
+        return {
+            "id": f"{self.name}-{split}-{index}",
+            "prompt": " " + " ".join(words + ["QUERY"]),
+            "reference": f" ANSWER v{answer}",
+            "needle_offsets": offsets,
+            "evidence": evidence,
+        }

@@ -1,0 +1,138 @@
+"""The report's figures: curves over training steps (mean and a standard-error band over seeds), and the
+ablations as lines or bars with standard-error bars. Each writes one PNG and returns its path."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from smd_cli.report.claims import VIEWS
+from smd_cli.report.data import Sweep
+from smd_cli.stats import cell
+
+COLORS = {"dense": "tab:gray", "naive_sparse": "tab:red", "sparse_rl": "tab:orange", "tis": "tab:purple", "smd": "tab:blue"}
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _band(ax, runs, key, label, color, log=False):
+    """Mean over runs of per-step `key` with a +-1 standard-error band; steps where no run logged it are skipped."""
+    by_step: dict[int, list[float]] = {}
+    for run in runs:
+        for row in run.steps():
+            value = row.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                by_step.setdefault(row["step"], []).append(max(value, 1e-9) if log else value)
+    if not by_step:
+        return
+    steps = sorted(by_step)
+    cells = [cell(by_step[s]) for s in steps]
+    mean = [c.mean for c in cells]
+    se = [c.se or 0.0 for c in cells]
+    ax.plot(steps, mean, label=f"{label} (n={max(c.n for c in cells)})", color=color)
+    ax.fill_between(steps, [m - s for m, s in zip(mean, se)], [m + s for m, s in zip(mean, se)], color=color, alpha=0.2)
+
+
+def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
+    """Per algorithm: the sampler's training reward, the learner's mismatch with the sampler, a dense learner's."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    t = {"task": task} if task else {}
+    for algo in sweep.values("algo"):
+        runs = [r for r in sweep.select(**t, algo=algo) if r.ok]
+        color = COLORS.get(algo)
+        _band(axes[0], runs, "reward", algo, color)
+        _band(axes[1], runs, "mismatch/mean_abs_diff", algo, color, log=True)
+        _band(axes[2], runs, "mismatch/dense_mean_abs_diff", algo, color, log=True)
+    axes[0].set(xlabel="step", ylabel="reward", title="training reward (the sampler's, under its eviction)")
+    axes[1].set(xlabel="step", ylabel="mean |log p - log p_sampler|", yscale="log",
+                title="the learner's own view vs the sampler")
+    axes[2].set(xlabel="step", ylabel="mean |log p_dense - log p_sampler|", yscale="log", title="a dense learner vs the sampler")
+    for ax in axes:
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{task or 'main table'}: mean and standard-error band over seeds", fontsize=10)
+    fig.tight_layout()
+    path = out / f"curves_{task or 'main'}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> Path | None:
+    """Per layer: the fraction of answer-bearing KV entries the sampler's eviction kept, per step and algorithm."""
+    t = {"task": task} if task else {}
+    if not any("evidence/kept_l0" in row for r in sweep.select(**t) if r.ok for row in r.steps()[:1]):
+        return None
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, layers, figsize=(5 * layers, 4), squeeze=False)
+    for algo in sweep.values("algo"):
+        runs = [r for r in sweep.select(**t, algo=algo) if r.ok]
+        for layer in range(layers):
+            _band(axes[0][layer], runs, f"evidence/kept_l{layer}", algo, COLORS.get(algo))
+    for layer, ax in enumerate(axes[0]):
+        ax.set(xlabel="step", ylabel="answer-bearing KV kept", title=f"layer {layer}", ylim=(0, 1.02))
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{task}: answer-bearing KV entries kept by the sampler's eviction (mean and standard-error band over seeds)",
+                 fontsize=10)
+    fig.tight_layout()
+    path = out / f"evidence_{task or 'main'}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
+    """The held-out metric (both views) against a swept number, one line per algorithm (or one line)."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(VIEWS), figsize=(6 * len(VIEWS), 4))
+    xs = sweep.values(x_key)
+    series = sweep.values("algo") if "algo" in sweep.keys else [None]
+    for ax, (view, metric) in zip(axes, VIEWS.items()):
+        for algo in series:
+            a = {"algo": algo} if algo else {}
+            cells = [sweep.cell(metric, **a, **{x_key: x}) for x in xs]
+            pts = [(float(x), c) for x, c in zip(xs, cells) if c.mean is not None]
+            if pts:
+                ax.errorbar([p for p, _ in pts], [c.mean for _, c in pts], yerr=[c.se or 0.0 for _, c in pts], marker="o", capsize=3,
+                            label=algo or "smd", color=COLORS.get(algo or "smd"))
+        ax.set(xlabel=x_key, ylabel=metric, title=f"held-out, {view}")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{name}: mean ± standard error over seeds", fontsize=10)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def ablation_bars(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
+    """The held-out metric (both views) per value of a swept option, grouped bars per algorithm."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(VIEWS), figsize=(6 * len(VIEWS), 4))
+    xs, algos = sweep.values(x_key), sweep.values("algo")
+    width = 0.8 / max(len(algos), 1)
+    for ax, (view, metric) in zip(axes, VIEWS.items()):
+        for i, algo in enumerate(algos):
+            cells = [sweep.cell(metric, algo=algo, **{x_key: x}) for x in xs]
+            positions = [j + (i - (len(algos) - 1) / 2) * width for j in range(len(xs))]
+            ax.bar(positions, [c.mean or 0.0 for c in cells], width, yerr=[c.se or 0.0 for c in cells], capsize=3, label=algo,
+                   color=COLORS.get(algo))
+        ax.set_xticks(range(len(xs)), xs)
+        ax.set(xlabel=x_key, ylabel=metric, title=f"held-out, {view}")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{name}: mean ± standard error over seeds", fontsize=10)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,323 @@
+"""Sweeps of `smd train` runs, shared by `smd ablate` and `smd reproduce`: the members a sweep asks for,
+what names them, and running them through Hydra's launcher.
+
+A sweep is a list of `KEY=v1,v2` entries (a recipe's `ablate.sweep`) with the command line's on top. Its
+members are the combinations of the values; each member's train config is composed up front (a mistake
+names the member), and a member is named by what it runs, `TASK_ALGO[_EVICTION_cC][_lamL]_seedS_HASH`,
+with HASH a SHA-256 of its composed config (less the keys that only change how a run is carried out), so
+that the same run asked for twice is one directory. Members are launched by `hydra/launcher` (`basic`: one
+after another, streamed to this terminal; `joblib`: in parallel local processes; `submitit_slurm`: SLURM
+jobs); each is a `smd train` process in its own directory (`resume=true`: an interrupted member continues
+from its last checkpoint), its output kept in `console.log` and its outcome in `member.json`. A member
+that fails is an outcome, never an exception: the others go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from smd_cli.io import write_json
+from smd_cli.stages.common import ROOT, ConfigError
+
+OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason
+REASON_CHARS = 300
+# keys that change how a run is carried out, not what it computes: left out of a member's identity
+NOT_IDENTITY = ("progress", "threads", "cache_dir", "resume", "checkpoint", "log_every", "stage_help", "ablate", "run_dir", "overrides", "hydra")
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_ERROR_HEAD = re.compile(r"^(config error:|training diverged:|disk full:|error:|[A-Za-z_][\w.]*(Error|Exception|Interrupt|Diverged)\b)")
+
+
+@dataclass
+class Member:
+    """One run of the sweep: its swept values, its train overrides, and where it runs."""
+
+    combo: tuple[tuple[str, str], ...]  # ((key, value), ...) in the sweep's order
+    overrides: list[str]  # the `smd train` overrides: the fixed ones, then the swept values
+    identity: str  # SHA-256 of the composed config, less NOT_IDENTITY
+    name: str  # directory name in the runs directory
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.combo)
+
+
+def parse_sweep(specs) -> list[tuple[str, list[str]]]:
+    """["lambda=0.1,0.8", "algo=smd,tis"] -> [("lambda", ["0.1", "0.8"]), ("algo", ["smd", "tis"])]."""
+    sweep = []
+    for spec in specs:
+        key, sep, values = str(spec).partition("=")
+        options = [v.strip() for v in values.split(",") if v.strip()]
+        if not sep or not key.strip() or not options:
+            raise ConfigError(f"ablate sweep entry {spec!r} is not allowed: write KEY=v1,v2,...")
+        sweep.append((key.strip(), options))
+    return sweep
+
+
+def sweep_of(cfg: DictConfig, fixed: list[str]) -> list[tuple[str, list[str]]]:
+    """`ablate.sweep` with `ablate.command_line` on top (same key: replaced), then fixed by the command line's
+    plain `KEY=v` for a swept key (it becomes that one value), then cut to `ablate.subset`'s values of a swept
+    key (keys the sweep does not have are ignored)."""
+    sweep = dict(parse_sweep(cfg.ablate.sweep))
+    sweep.update(parse_sweep(cfg.ablate.command_line))
+    for override in fixed:
+        key, _, value = override.partition("=")
+        if key in sweep:
+            sweep[key] = [value]
+    for key, keep in parse_sweep(cfg.ablate.get("subset") or []):  # e.g. a quick check: fewer values of a swept key
+        if key in sweep:
+            sweep[key] = [v for v in sweep[key] if v in keep] or sweep[key]
+    if not sweep:
+        raise ConfigError("ablate.sweep=[] is not allowed: give at least one KEY=v1,v2 (e.g. `smd ablate lambda=0.1,0.8`) "
+                          "or a recipe that sweeps (`smd ablate +recipe=ablate_lambda`)")
+    return list(sweep.items())
+
+
+def user_overrides(cfg: DictConfig) -> list[str]:
+    """The command line's overrides other than the sweep itself (passed on to every train run)."""
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else list(cfg.get("overrides") or [])
+    return [o for o in given if not o.startswith(("ablate.", "run_dir=", "+run_dir=", "overrides=", "+overrides="))]
+
+
+def plan(cfg: DictConfig, base: list[str]) -> tuple[list[tuple[str, list[str]]], list[Member]]:
+    """The sweep of an ablate config `cfg` given with the command line's fixed overrides `base`, and its members,
+    one per combination of the swept values, every one's train config composed (a mistake is a ConfigError
+    naming the member) and named."""
+    sweep = sweep_of(cfg, base)
+    swept = {key for key, _ in sweep}
+    fixed = [o for o in base if o.partition("=")[0] not in swept]
+    combos = itertools.product(*[[(key, v) for v in values] for key, values in sweep])
+    with _compose_context():
+        members = [_member(combo, [*fixed, *(f"{k}={v}" for k, v in combo)]) for combo in combos]
+    return sweep, members
+
+
+def distinct(members: list[Member]) -> list[Member]:
+    """One member per run: combinations that compose to the same config (`lambda=0.1` and `0.10`, or any lambda
+    of a non-SMD run) share it."""
+    first: dict[str, Member] = {}
+    for m in members:
+        first.setdefault(m.identity, m)
+    return list(first.values())
+
+
+def _member(combo: tuple, overrides: list[str]) -> Member:
+    from hydra import compose
+
+    label = ",".join(f"{k}={v}" for k, v in combo)
+    try:
+        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+    except Exception as err:  # Hydra's override and composition errors
+        raise ConfigError(f"ablate run {label}: {_chain(err)}") from None
+    choices, identity = cfg.hydra.runtime.choices, config_identity(cfg)
+    config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+              for k in ("algo", "compression", "lambda", "seed")}
+    parts = [choices.task, config["algo"]["name"]]
+    if config["algo"]["evicting"]:
+        parts += [choices.eviction, f"c{config['compression']:g}"]
+    if config["algo"]["name"] == "smd":
+        parts.append(f"lam{config['lambda']:g}")
+    parts.append(f"seed{config['seed']}")
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(map(str, parts))) + f"_{identity[:8]}"
+    return Member(tuple(combo), overrides, identity, name)
+
+
+def config_identity(cfg: DictConfig) -> str:
+    """SHA-256 of a composed train config, less the keys that only change how it is carried out (NOT_IDENTITY)
+    and `lambda` for the algorithms that do not read it (all but SMD)."""
+    unused = NOT_IDENTITY + (() if cfg.algo.name == "smd" else ("lambda",))
+    config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k not in unused}
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _compose_context():
+    """Compose with the running CLI's search path and recipes, or (a direct call, tests) with conf/ alone."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return contextlib.nullcontext()
+    return initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3")
+
+
+def _chain(err: BaseException) -> str:
+    """An error and its causes in one line, without OmegaConf's full_key / object_type detail lines."""
+    parts = []
+    while err is not None:
+        lines = [line.strip() for line in str(err).split("Config search path")[0].splitlines() if line.strip()]
+        text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type=")))
+        if text and text not in parts:
+            parts.append(text)
+        err = err.__cause__
+    return ": ".join(parts)
+
+
+def finished(run_dir: Path, member: Member) -> bool:
+    """Whether `run_dir` holds this member's completed run (its outcome recorded, its summary complete)."""
+    record, _ = read_json(run_dir / "member.json")
+    summary, _ = read_json(run_dir / "summary.json")
+    return record.get("identity") == member.identity and record.get("status") == "ok" and summary.get("status") == "completed"
+
+
+def member_command(overrides: list[str], run_dir: Path) -> list[str]:
+    """The `smd train` command line of one member (resuming its own directory if it was interrupted)."""
+    return [sys.executable, "-m", "smd_cli.cli", "train", *overrides, f"hydra.run.dir={run_dir}", "resume=true"]
+
+
+def run_member(cfg: DictConfig) -> dict:
+    """The launcher's task: run one member as a `smd train` process in its directory (the job's output dir) and
+    record its outcome in `member.json`. Never raises: a failure is an outcome."""
+    job = HydraConfig.get()
+    run_dir = Path(job.runtime.output_dir)
+    overrides, identity = list(job.overrides.task), config_identity(cfg)
+    stream = str(job.launcher.get("_target_", "")).endswith("BasicLauncher")  # one at a time: show it as it runs
+    (run_dir / "summary.json").unlink(missing_ok=True)  # a previous attempt's result is not this run's
+    started = time.time()
+    command = member_command(overrides, run_dir)
+    try:
+        returncode, output = run_logged(command, run_dir / "console.log", stream)
+    except OSError as err:
+        returncode, output = 127, f"error: could not start {command[0]}: {err}"
+    summary, unreadable = read_json(run_dir / "summary.json")
+    ok = returncode == 0 and not unreadable and summary.get("status") == "completed"
+    error = None if ok else unreadable or failure_reason(returncode, output, summary)
+    record = {"identity": identity, "overrides": overrides, "status": "ok" if ok else "failed", "returncode": returncode,
+              "error": error, "seconds": round(time.time() - started, 1), "command": command}
+    write_json(run_dir / "member.json", record)
+    if not stream:
+        print(f"ablate: {run_dir.name}: {'ok' if ok else 'failed: ' + str(error)} ({record['seconds']:.0f} s)", flush=True)
+    return record
+
+
+def run_logged(command: list[str], log: Path, stream: bool) -> tuple[int, str]:
+    """Run `command` with its stdout and stderr both written to `log` as they come (and to ours when `stream`);
+    (exit status, the last OUTPUT_TAIL bytes of its stderr, where its error is)."""
+    import selectors
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tail = bytearray()
+    with log.open("wb") as sink:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        ours = {proc.stdout: sys.stdout, proc.stderr: sys.stderr}
+        selector = selectors.DefaultSelector()
+        for pipe in ours:
+            selector.register(pipe, selectors.EVENT_READ)
+        try:
+            while selector.get_map():
+                for key, _ in selector.select():
+                    chunk = os.read(key.fileobj.fileno(), 65536)
+                    if not chunk:
+                        selector.unregister(key.fileobj)
+                        continue
+                    sink.write(chunk)
+                    sink.flush()
+                    if stream:
+                        _write(ours[key.fileobj], chunk)
+                    if key.fileobj is proc.stderr:
+                        tail += chunk
+                        if len(tail) > 2 * OUTPUT_TAIL:
+                            del tail[:-OUTPUT_TAIL]
+            returncode = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave the run behind
+                proc.kill()
+                proc.wait()
+            selector.close()
+            proc.stdout.close()
+            proc.stderr.close()
+    return returncode, bytes(tail[-OUTPUT_TAIL:]).decode("utf-8", "replace")
+
+
+def _write(stream, chunk: bytes) -> None:
+    """Bytes to a text stream: through its buffer when it has one, else decoded (e.g. a captured stream)."""
+    buffer = getattr(stream, "buffer", None)
+    if buffer is not None:
+        buffer.write(chunk)
+        buffer.flush()
+    else:
+        stream.write(chunk.decode("utf-8", "replace"))
+
+
+def error_message(output: str) -> str:
+    """The error that ends a run's output: from the last `config error:` / `XError:` line of its last
+    paragraph to the end (lines that rich wrapped are joined back), else that paragraph; '' if none."""
+    lines = [_ANSI.sub("", line).rstrip() for line in re.split(r"\r\n|\r|\n", output)]
+    lines = [line for line in lines if "HYDRA_FULL_ERROR" not in line]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        return ""
+    block = lines[max((i + 1 for i, line in enumerate(lines) if not line.strip()), default=0) :]
+    heads = [i for i, line in enumerate(block) if _ERROR_HEAD.match(line.strip())]
+    text = " ".join(line.strip() for line in block[heads[-1] if heads else 0 :])
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def failure_reason(returncode: int, output: str, summary: dict) -> str:
+    """Why a run failed, in one line: its summary's `error`, else the end of its output, else its exit."""
+    if isinstance(summary.get("error"), str) and summary["error"].strip():
+        text = " ".join(summary["error"].split())
+        return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+    message = error_message(output)
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        killed = f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        return f"{killed}: {message}" if message else killed
+    if returncode == 0:
+        return message or "exited 0 without a completed summary.json"
+    return message or f"exit status {returncode}, nothing in its output"
+
+
+def read_json(path: Path) -> tuple[dict, str | None]:
+    """(the JSON object in `path`, or {}; why it could not be read, if it exists but is not a JSON object)."""
+    if not path.is_file():
+        return {}, None
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return {}, f"unreadable {path.name} ({err})"
+    return (value, None) if isinstance(value, dict) else ({}, f"{path.name} is not a JSON object")
+
+
+def launch(members: list[Member], runs_dir: Path) -> None:
+    """Run `members` through the configured Hydra launcher, each in `runs_dir/NAME`. A launcher that breaks
+    down (a worker killed) is reported, not raised: its members then have no completed `member.json`."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.plugins import Plugins
+    from hydra.types import HydraContext, RunMode
+
+    hydra = GlobalHydra.instance().hydra if GlobalHydra.instance().is_initialized() else None
+    if hydra is None:
+        raise RuntimeError("smd ablate launches its members through Hydra: run it as `smd ablate ...`")
+    given = list(HydraConfig.get().overrides.hydra) if HydraConfig.initialized() else []
+    given = [o for o in given if not o.startswith(("hydra.run.", "hydra.sweep."))]
+    loader = hydra.config_loader
+    master = loader.load_configuration("train", overrides=[*given, f"hydra.sweep.dir={runs_dir}", "hydra.output_subdir=null"],
+                                       run_mode=RunMode.MULTIRUN)
+    launcher = Plugins.instance().instantiate_launcher(hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks(master)),
+                                                      task_function=run_member, config=master)
+    jobs = [[*m.overrides, f"hydra.sweep.subdir={m.name}"] for m in members]
+    try:
+        launcher.launch(jobs, initial_job_idx=0)
+    except Exception as err:  # e.g. joblib's TerminatedWorkerError: the members it did not finish are reported failed
+        Console(stderr=True).print(f"[red]ablate:[/red] the launcher stopped: {type(err).__name__}: {err}", highlight=False)
+
+
