@@ -100,7 +100,8 @@ def test_short_default_run_writes_everything(tmp_path, capsys):
     assert saved["train/mismatch/max_abs_diff_max"] == max(r["mismatch/max_abs_diff"] for r in rows) <= 1e-5  # SMD's parity
     assert saved["train/kv/kept_fraction_mean"] == pytest.approx(sum(r["kv/kept_fraction"] for r in rows) / 2)
     printed = " ".join(capsys.readouterr().out.split())
-    for label in ("reward, dense cache (T=1)", "reward, SnapKV c=0.5 (T=1)", "sampler/learner parity", "KV entries kept by the sampler"):
+    for label in ("reward, dense cache (T=1)", "reward, SnapKV c=0.5 (T=1)", "parity: max |log p_learner - log p_sampler|",
+                  "KV entries the sampler kept"):
         assert label in printed, label
     provenance = json.loads((run / "provenance.json").read_text())
     assert provenance["versions"]["torch"] == torch.__version__

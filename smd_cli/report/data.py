@@ -55,7 +55,6 @@ class Sweep:
     dir: Path
     keys: list[str]  # swept keys, in the sweep's order
     runs: list[Run]
-    wall_seconds: float | None = None
 
     @classmethod
     def read(cls, name: str, directory: Path) -> "Sweep":
@@ -68,7 +67,7 @@ class Sweep:
                 run_dir = directory / run_dir
             member = _json(run_dir / "summary.json") if row["status"] == "ok" else {}
             runs.append(Run({k: str(row[k]) for k in keys}, row["status"], row.get("error"), run_dir, member))
-        return cls(name, directory, keys, runs, summary.get("wall_seconds"))
+        return cls(name, directory, keys, runs)
 
     def values(self, key: str) -> list[str]:
         """The values of a swept key, in the sweep's order."""

@@ -25,12 +25,11 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
 from smd_cli import checkpoint as ckpt
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import MetricsLog, read_jsonl, write_json
+from smd_cli.io import MetricsLog, write_json
 from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.precision import build_optimizer
@@ -38,6 +37,7 @@ from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
 from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, start_run
 from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, stop_diverged
+from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
     g, s = cfg.grpo, cfg.sampling
@@ -245,7 +245,7 @@ def run(cfg: DictConfig) -> dict:
     summary.update({f"last/{k}": v for k, v in last.items()})
     summary.update(run_statistics(log.path))
     write_json(run_dir / "summary.json", summary)
-    print_summary(summary, run_dir, cfg)
+    print_summary(summary, run_dir, cfg, eval_policy(cfg))
     return summary
 
 
@@ -289,55 +289,3 @@ def progress_text(name: str, metrics: dict) -> str:
 
 def rollout_rewards(batch, tokenizer, task, examples) -> list[float]:
     return [float(task.reward(t, e)) for t, e in zip(response_texts(batch, tokenizer), examples)]
-
-
-def run_statistics(path) -> dict[str, float]:
-    """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
-    the learner's own view and of a dense learner, and the mean KV and answer-bearing KV kept."""
-    rows = read_jsonl(path) if path.is_file() else []
-    out = {}
-    for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
-                        ("evidence/kept", None)):
-        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        if values:
-            out[f"train/{key}" + ("_max" if reduce else "_mean")] = reduce(values) if reduce else sum(values) / len(values)
-    return out
-
-
-def print_summary(summary: dict, run_dir, cfg: DictConfig) -> None:
-    """What a newcomer needs side by side: held-out reward before and after (dense cache and under eviction),
-    then the learner's parity with its sampler, a dense learner's mismatch on the same rollouts, the KV kept."""
-    policy = eval_policy(cfg)
-    evicting = "no eviction" if policy is None else f"{type(policy).__name__} c={cfg.compression:g}"
-    table = Table(title=f"smd train algo={cfg.algo.name}: {run_dir}")
-    for name, justify in (("held-out (test split)", "left"), ("before", "right"), ("after", "right")):
-        table.add_column(name, justify=justify)
-    for label, key in ((f"reward, dense cache (T={cfg.eval.temperature:g})", "eval/reward"), ("greedy reward, dense cache", "eval/greedy_reward"),
-                       (f"reward, {evicting} (T={cfg.eval.temperature:g})", "eval/evict/reward"),
-                       (f"greedy reward, {evicting}", "eval/evict/greedy_reward"),
-                       (f"answer-bearing KV kept, {evicting}", "eval/evict/kept")):
-        if f"{key}_before" in summary or f"{key}_after" in summary:
-            table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
-    console.print(table)
-    rows = (("sampler/learner parity: max |log p_learner - log p_sampler| over steps", "train/mismatch/max_abs_diff_max"),
-            ("a dense learner on the same rollouts: max |log p_dense - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
-            ("KV entries kept by the sampler (mean over steps)", "train/kv/kept_fraction_mean"),
-            ("answer-bearing KV kept by the sampler (mean over steps)", "train/evidence/kept_mean"),
-            ("training reward of the sampler, last step", "last/reward"),
-            ("peak memory: rollout / learner (bytes)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
-            ("GRPO seconds", "train/seconds"))
-    training = Table(title=f"training ({cfg.steps} steps, sampler: {evicting if cfg.algo.evicting else 'no eviction'})")
-    training.add_column("metric")
-    training.add_column("value", justify="right")
-    for label, key in rows:
-        if key is None:
-            peaks = [summary.get(f"last/memory/{phase}_peak_bytes") for phase in ("rollout", "learner")]
-            if all(isinstance(p, (int, float)) for p in peaks):
-                training.add_row(label, " / ".join(_number(p) for p in peaks))
-        elif isinstance(summary.get(key), (int, float)):
-            training.add_row(label, _number(summary[key]))
-    console.print(training)
-
-
-def _number(value) -> str:
-    return "-" if not isinstance(value, (int, float)) else f"{value:.4g}"

@@ -1,0 +1,62 @@
+"""What `smd train` sums up at its end: statistics over the logged steps, and the summary tables it prints."""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+from rich.table import Table
+
+from smd_cli.io import read_jsonl
+from smd_cli.stages.common import console
+
+
+def run_statistics(path) -> dict[str, float]:
+    """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
+    the learner's own view and of a dense learner, and the mean KV and answer-bearing KV kept."""
+    rows = read_jsonl(path) if path.is_file() else []
+    out = {}
+    for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
+                        ("evidence/kept", None)):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if values:
+            out[f"train/{key}" + ("_max" if reduce else "_mean")] = reduce(values) if reduce else sum(values) / len(values)
+    return out
+
+
+def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
+    """What a newcomer needs side by side: held-out reward before and after (dense cache and under `policy`, the
+    evicting evaluation's), then the learner's parity with its sampler, a dense learner's mismatch on the same
+    rollouts, the KV kept."""
+    evicting = "no eviction" if policy is None else f"{type(policy).__name__} c={cfg.compression:g}"
+    table = Table(title=f"smd train algo={cfg.algo.name}: {run_dir}")
+    for name, justify in (("held-out (test split)", "left"), ("before", "right"), ("after", "right")):
+        table.add_column(name, justify=justify)
+    for label, key in ((f"reward, dense cache (T={cfg.eval.temperature:g})", "eval/reward"), ("greedy reward, dense cache", "eval/greedy_reward"),
+                       (f"reward, {evicting} (T={cfg.eval.temperature:g})", "eval/evict/reward"),
+                       (f"greedy reward, {evicting}", "eval/evict/greedy_reward"),
+                       (f"answer-bearing KV kept, {evicting}", "eval/evict/kept")):
+        if f"{key}_before" in summary or f"{key}_after" in summary:
+            table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
+    console.print(table)
+    rows = (("parity: max |log p_learner - log p_sampler|", "train/mismatch/max_abs_diff_max"),
+            ("a dense learner on the same rollouts: max |log p - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
+            ("KV entries the sampler kept (mean)", "train/kv/kept_fraction_mean"),
+            ("answer-bearing KV the sampler kept (mean)", "train/evidence/kept_mean"),
+            ("the sampler's reward, last step", "last/reward"),
+            ("peak memory, rollout / learner (MiB)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
+            ("GRPO seconds", "train/seconds"))
+    training = Table(title=f"training, {cfg.steps} steps (max and mean over the steps); sampler: "
+                           f"{evicting if cfg.algo.evicting else 'no eviction'}")
+    training.add_column("metric")
+    training.add_column("value", justify="right")
+    for label, key in rows:
+        if key is None:
+            peaks = [summary.get(f"last/memory/{phase}_peak_bytes") for phase in ("rollout", "learner")]
+            if all(isinstance(p, (int, float)) for p in peaks):
+                training.add_row(label, " / ".join(f"{p / 2**20:.0f}" for p in peaks))
+        elif isinstance(summary.get(key), (int, float)):
+            training.add_row(label, _number(summary[key]))
+    console.print(training)
+
+
+def _number(value) -> str:
+    return "-" if not isinstance(value, (int, float)) else f"{value:.4g}"
