@@ -18,6 +18,7 @@ adds time). Tokens per second = rows x new tokens / wall seconds of the whole ca
 CUDA every timed call is bracketed by `torch.cuda.synchronize`.
 
     python bench/decode_speed.py                      # CPU: 4 layers x 128 wide, 16 rows, P = 256, 64 new, 1 thread
+    python bench/decode_speed.py --group 8 --out results/bench/decode_speed_grpo.json   # 2 prompts x 8 samples (GRPO's shape)
     python bench/decode_speed.py --device cuda        # CUDA: Qwen3-4B widths with 4 layers, bf16, 64 rows, P = 512, 128 new
 
 Writes results/bench/decode_speed.json (or `--out`). `measure(...)` is what bench/gpu_check.py calls.
@@ -92,8 +93,9 @@ def _methods(model, hf_model, prompts, new: int, greedy: bool, device: torch.dev
 
 
 def measure(device="cpu", shape: dict | None = None, dtype=torch.float32, rows: int = 16, prompt: int = 256, new: int = 64,
-            repeats: int = 5, greedy: bool = False, compile: str | bool = "auto", seed: int = 0) -> dict:
-    """Median tokens per second of each method over `repeats` interleaved rounds (after one warm-up round)."""
+            repeats: int = 5, greedy: bool = False, compile: str | bool = "auto", seed: int = 0, group: int = 1) -> dict:
+    """Median tokens per second of each method over `repeats` interleaved rounds (after one warm-up round);
+    `group` > 1: the rows are `group` samples of each prompt, as GRPO's rollout (and TRL's) gives them."""
     device = torch.device(device)
     shape = dict(CPU_SHAPE if device.type == "cpu" else CUDA_SHAPE) if shape is None else dict(shape)
     vocab = shape.pop("vocab_size", VOCAB)
@@ -101,7 +103,9 @@ def measure(device="cpu", shape: dict | None = None, dtype=torch.float32, rows: 
     hf_model = copy.deepcopy(model)  # same weights; transformers' own attention for its own generate
     hf_model.config._attn_implementation = "sdpa"
     hf_model.generation_config.top_k = None
-    prompts = _prompts(rows, prompt, min(vocab, 50_000), seed)
+    if rows % group:
+        raise ValueError(f"rows={rows} must be a multiple of group={group}")
+    prompts = [p for p in _prompts(rows // group, prompt, min(vocab, 50_000), seed) for _ in range(group)]
     methods = _methods(model, hf_model, prompts, new, greedy, device, compile)
     seconds = {name: [] for name in methods}
     for round_ in range(repeats + 1):  # round 0 warms up (and compiles, where compiling)
@@ -127,7 +131,7 @@ def measure(device="cpu", shape: dict | None = None, dtype=torch.float32, rows: 
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
-        "shape": {**shape, "vocab_size": vocab}, "rows": rows, "prompt": prompt, "new_tokens": new, "repeats": repeats,
+        "shape": {**shape, "vocab_size": vocab}, "rows": rows, "group": group, "prompt": prompt, "new_tokens": new, "repeats": repeats,
         "sampling": "greedy" if greedy else "temperature 1", "compile": compile, "methods": table,
     }
 
@@ -169,7 +173,8 @@ def graph_check(device="cuda", shape: dict | None = None, dtype=torch.float32, r
 
 
 def format_table(report: dict) -> str:
-    title = (f"decode speed on {report['device']} ({report['threads']} thread(s), {report['dtype']}): {report['rows']} rows, "
+    title = (f"decode speed on {report['device']} ({report['threads']} thread(s), {report['dtype']}): {report['rows']} rows "
+             f"({report.get('group', 1)} per prompt), "
              f"P = {report['prompt']}, {report['new_tokens']} new tokens, {report['sampling']}, median of {report['repeats']}")
     lines = [title, f"{'method':<16} {'tokens/s':>10} {'x hf static':>12} {'best tokens/s':>14} {'x hf static':>12}"]
     for name, row in report["methods"].items():
@@ -185,6 +190,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new", type=int)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--group", type=int, default=1, help="rows per prompt (GRPO's G samples; our rollout prefills each prompt once)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--greedy", action="store_true", help="argmax instead of sampling at temperature 1")
     parser.add_argument("--compile", default="auto", choices=["auto", "true", "false"], help="our generate's `compile` option")
@@ -195,7 +201,7 @@ def main() -> None:
     cuda = device.type == "cuda"
     report = measure(device, dtype=torch.bfloat16 if cuda else torch.float32, rows=args.rows or (64 if cuda else 16),
                      prompt=args.prompt or (512 if cuda else 256), new=args.new or (128 if cuda else 64), repeats=args.repeats,
-                     greedy=args.greedy, compile={"true": True, "false": False}.get(args.compile, "auto"))
+                     greedy=args.greedy, compile={"true": True, "false": False}.get(args.compile, "auto"), group=args.group)
     report["command"] = " ".join(["python", "bench/decode_speed.py", *sys.argv[1:]])
     print(format_table(report))
     if cuda:

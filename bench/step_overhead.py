@@ -1,10 +1,11 @@
 """Each algorithm's training step against naive sparse's on the same batch (DESIGN.md contract 5: SMD <= 1.10x).
 
-Usage: python bench/step_overhead.py [--layers 4 --hidden 256 --prompt 512 --rows 8 --reps 3] [--json out.json]
+Usage: python bench/step_overhead.py [--layers 4 --hidden 256 --prompt 512 --rows 8 --group 1 --reps 3] [--json out.json]
 (measured: SMD / naive_sparse 1.040 at these defaults and 1.074 at --hidden 128 --prompt 256 --rows 16; see
 results/PERFORMANCE.md)
 Every algorithm does one rollout (SnapKV, c = 0.5; dense: no eviction) and one learner step on it from the
-same weights. Steps alternate between the algorithms round by round and the medians are compared, so drift
+same weights. `--group G`: the rows are G samples of each prompt, as in GRPO, so the prefill and the learner
+compute each prompt once and the response rows (where SMD's teacher and KL add their work) weigh more. Steps alternate between the algorithms round by round and the medians are compared, so drift
 in the machine's load hits all alike; each round's ratio is kept too (the spread over rounds is the noise).
 """
 
@@ -31,6 +32,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--response", type=int, default=16)
     ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--group", type=int, default=1, help="rows per prompt (GRPO's G; >1: the rows of a group share their prompt)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--algos", default="naive_sparse,smd", help=f"comma-separated, from {','.join(ALGORITHMS)}")
@@ -43,9 +45,12 @@ def main(argv=None) -> dict:
     tok = build_tiny_tokenizer()
     base = build_tiny_model(len(tok), seed=0, num_hidden_layers=args.layers, hidden_size=args.hidden,
                             intermediate_size=3 * args.hidden, head_dim=args.hidden // 4).eval()
-    prompts = torch.randint(3, len(tok), (args.rows, args.prompt), generator=torch.Generator().manual_seed(0)).tolist()
+    if args.rows % args.group:
+        ap.error(f"--rows {args.rows} must be a multiple of --group {args.group}")
+    distinct = torch.randint(3, len(tok), (args.rows // args.group, args.prompt), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [p for p in distinct for _ in range(args.group)]
     policy = SnapKV(compression=0.5)
-    advantages = group_advantages(torch.randn(args.rows, generator=torch.Generator().manual_seed(1)), 4)
+    advantages = group_advantages(torch.randn(args.rows, generator=torch.Generator().manual_seed(1)), max(args.group, 2))
     times = {name: [] for name in names}
     for rep in range(args.reps + 1):  # the first round warms up
         for name in names:
@@ -60,8 +65,8 @@ def main(argv=None) -> dict:
                 times[name].append(time.perf_counter() - t0)
     medians = {name: statistics.median(t) for name, t in times.items()}
     ref = medians["naive_sparse"]
-    print(f"model: {args.layers} layers, hidden {args.hidden}; batch {args.rows} x (P {args.prompt} + R {args.response}); "
-          f"{args.reps} reps, {args.threads} thread(s)")
+    print(f"model: {args.layers} layers, hidden {args.hidden}; batch {args.rows} x (P {args.prompt} + R {args.response}), "
+          f"{args.group} row(s) per prompt; {args.reps} reps, {args.threads} thread(s)")
     for name in names:
         rounds = [t / r for t, r in zip(times[name], times["naive_sparse"])]
         print(f"{name:13s} step (rollout + learner): median {medians[name]:.3f} s, / naive_sparse {medians[name] / ref:.3f} "

@@ -12,10 +12,11 @@ recompute receives again:
 | `shadow=Replay`              | the learner's replay of a shadow mask (`smd_cli.shadow`)              |
 | neither                      | dense causal attention with left padding (`smd_cli.kernels`)          |
 
-and, for SMD's dense teacher (`smd_cli.scoring.shadow_and_teacher_hidden`), which runs only the response
-rows: `prompt_tap=PromptTap` on a replay makes the layer hand over its prompt keys and values once (armed per
-layer, so a checkpoint recompute does not), and `prompt_kv=(key, value)` puts them in front of the
-response rows' own keys for a dense pass over the whole sequence.
+and, for forwards that run the response rows apart from their prompt (SMD's dense teacher; the learner that
+computes each prompt once for its G samples, `smd_cli.scoring`): `prompt_tap=PromptTap` makes a layer hand over
+its prompt keys and values once (armed per layer, so a checkpoint recompute does not), and
+`prompt_kv=(key, value[, owner])` puts them (row `owner[i]`'s for row i) in front of the response rows' own
+keys, for a dense pass over the whole sequence or, with `shadow=`, the replay's response rows.
 
 The registered mask function hands the 2-D padding mask [B, S] through unchanged: no [T, T] mask is built.
 """
@@ -30,7 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from smd_cli import kernels
 from smd_cli.rollout_attention import rollout_attention
-from smd_cli.shadow import replay
+from smd_cli.shadow import replay, replay_rows
 
 ATTENTION = "smd"
 
@@ -51,11 +52,19 @@ def dense(query, key, value, attention_mask: torch.Tensor | None, scaling: float
 
 @dataclass
 class PromptTap:
-    """The prompt keys and values [B, Hkv, P, D] of the layer that last ran armed (detached: no gradient)."""
+    """The prompt keys and values [B, Hkv, P, D] of the layer that last ran armed: detached (SMD's no-grad
+    teacher reads them) or, with `keep_grad`, as they are (a learner that computes a shared prompt once)."""
 
     prompt_length: int
     armed: bool = False
     kv: tuple | None = None
+    keep_grad: bool = False
+
+    def capture(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        P = self.prompt_length
+        key, value = key[:, :, :P], value[:, :, :P]
+        self.kv = (key, value) if self.keep_grad else (key.detach(), value.detach())
+        self.armed = False
 
     def take(self) -> tuple:
         kv, self.kv = self.kv, None
@@ -67,17 +76,20 @@ def smd_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if dropout:
         raise ValueError("smd attention has no dropout (set the model's attention_dropout to 0)")
     scaling = module.scaling if scaling is None else scaling
+    tap, shadow = kwargs.get("prompt_tap"), kwargs.get("shadow")
+    if tap is not None and tap.armed:
+        tap.capture(key, value)
     if kwargs.get("rollout_state") is not None:
         out = rollout_attention(module.layer_idx, query, key, value, scaling, kwargs["rollout_state"])
-    elif kwargs.get("shadow") is not None:
-        tap = kwargs.get("prompt_tap")
-        if tap is not None and tap.armed:
-            P = tap.prompt_length
-            tap.kv, tap.armed = (key[:, :, :P].detach(), value[:, :, :P].detach()), False
-        out = replay(module.layer_idx, query, key, value, scaling, kwargs["shadow"])
-    elif kwargs.get("prompt_kv") is not None:
-        prompt_key, prompt_value = kwargs["prompt_kv"]
-        out = dense(query, torch.cat([prompt_key, key], 2), torch.cat([prompt_value, value], 2), attention_mask, scaling)
+    elif kwargs.get("prompt_kv") is not None:  # response rows whose prompt ran elsewhere: its keys first
+        prompt_key, prompt_value, *owner = kwargs["prompt_kv"]
+        if owner:  # one prompt for several rows: each row's copy, made here (a checkpoint keeps only the prompts')
+            prompt_key, prompt_value = prompt_key[owner[0]], prompt_value[owner[0]]
+        key, value = torch.cat([prompt_key, key], 2), torch.cat([prompt_value, value], 2)
+        out = dense(query, key, value, attention_mask, scaling) if shadow is None else replay_rows(module.layer_idx, query, key, value,
+                                                                                                   scaling, shadow)
+    elif shadow is not None:
+        out = replay(module.layer_idx, query, key, value, scaling, shadow)
     else:
         out = dense(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None

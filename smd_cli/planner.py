@@ -18,6 +18,10 @@ Three phases, each a sum of named terms (bytes), mirroring what the code allocat
   the vocabulary's backward, a layer's backward, and where there is one, a whole no-grad forward (the
   reference policy; Sparse-RL's pi_old over several micro-batches) or SMD's teacher rows beside the replay.
 
+Rows that repeat a prompt (GRPO's G samples) compute it once in the prefill and in the learner
+(`smd_cli.scoring.shared_prompt_views`); the plan counts every row's prompt, so for such batches it is an
+upper bound (measured on distinct prompts, where it is tight).
+
 The per-token coefficients of the layer terms count the tensors of transformers' Qwen3 layer that are alive
 at once (read off the profiler's live allocations of `bench/plan_check.py`); `tests/test_planner.py` and
 `bench/plan_check.py` hold every phase to within 15 % of the measured live tensor bytes at several sizes.

@@ -60,6 +60,19 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch
     return ids, mask
 
 
+def repeats(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(first [U], owner [N]) when neighbouring rows repeat a prompt (GRPO's G samples): the row where each
+    distinct prompt first appears and each row's prompt; None when none repeats."""
+    owner, first = [], []
+    for row, prompt in enumerate(prompts):
+        if not first or prompt != prompts[first[-1]]:
+            first.append(row)
+        owner.append(len(first) - 1)
+    if len(first) == len(prompts):
+        return None
+    return torch.tensor(first, device=device), torch.tensor(owner, device=device)
+
+
 SYNC_EVERY = 16  # decode steps between two host reads of the device (all-finished, capacity) on an accelerator
 
 
@@ -132,12 +145,13 @@ class _Run:
     feed_ids: torch.Tensor  # [N, 1] the token fed at a decode step (one buffer for the whole rollout)
     feed_positions: torch.Tensor  # [N, 1] its RoPE positions
     invalid: torch.Tensor  # [] bool: a sampled log-prob was NaN (the model's logits were not finite)
+    groups: tuple | None = None  # (first [U], owner [N]) when rows repeat a prompt: its prefill runs once
     graphs: DecodeGraphs | None = None
     meter: KVMeter = field(default_factory=KVMeter)
     steps: int = 0  # decode steps run (the batch keeps those up to the last one where a row was live)
 
     @classmethod
-    def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility) -> "_Run":
+    def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups=None) -> "_Run":
         rows, prompt_width = prompt_ids.shape
         device = prompt_ids.device
         input_ids = prompt_ids.new_full((rows, prompt_width + max_new_tokens), pad_token_id)
@@ -149,24 +163,28 @@ class _Run:
         else:
             capacity = int(policy.budget(prompt_mask.sum(-1)).max()) + policy.cache_growth(max_new_tokens - 1)
             cache = EvictingCache(model.config.num_hidden_layers, capacity)
-            state = RolloutState.start(model.config, policy, cache, prompt_mask, max_new_tokens, record_visibility)
+            state = RolloutState.start(model.config, policy, cache, prompt_mask, max_new_tokens, record_visibility, groups)
         return cls(input_ids, attention_mask, prompt_width, prompt_mask.sum(-1), torch.zeros(rows, max_new_tokens, device=device),
                    torch.zeros(rows, dtype=torch.bool, device=device), cache, state, input_ids.new_zeros(rows, 1),
-                   input_ids.new_zeros(rows, 1), torch.zeros((), dtype=torch.bool, device=device))
+                   input_ids.new_zeros(rows, 1), torch.zeros((), dtype=torch.bool, device=device), groups)
 
     def forward(self, model, step: int) -> torch.Tensor:
         """Feed the prompt (step 0) or the last sampled token; returns next-token logits [N, V]."""
         column = self.prompt_width + step  # column of the token sampled at this step
+        prefill_rows = slice(None) if step or self.groups is None else self.groups[0]  # a repeated prompt: once
         if step == 0:
-            prompt_mask = self.attention_mask[:, : self.prompt_width]
-            feed = dict(input_ids=self.input_ids[:, : self.prompt_width], position_ids=position_ids_from_mask(prompt_mask))
+            prompt_mask = self.attention_mask[prefill_rows, : self.prompt_width]
+            feed = dict(input_ids=self.input_ids[prefill_rows, : self.prompt_width], position_ids=position_ids_from_mask(prompt_mask))
         else:
             self.feed_ids.copy_(self.input_ids[:, column - 1:column])
             torch.sub(self.positions[:, None], 1, out=self.feed_positions)
             feed = dict(input_ids=self.feed_ids, position_ids=self.feed_positions)
         if self.state is None:
-            feed["attention_mask"] = self.attention_mask[:, :column]
+            feed["attention_mask"] = self.attention_mask[prefill_rows, :column]
             logits = model(**feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            if step == 0 and self.groups is not None:  # every sample of a prompt continues from its prefill's cache
+                for layer in self.cache.layers:
+                    layer.keys, layer.values = layer.keys[self.groups[1]], layer.values[self.groups[1]]
         else:
             self.cache.begin_step(column - 1, self.attention_mask[:, column - 1].bool())
 
@@ -178,7 +196,7 @@ class _Run:
             else:  # policy step `step - 1` (0 = the first generated token is fed)
                 logits = self.graphs(self.state.policy.decode_signature(step - 1), run)
         self.meter.observe(self.cache)
-        return logits
+        return logits if step or self.groups is None else logits[self.groups[1]]
 
     def record(self, step: int, tokens, token_logp, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
         live = ~self.finished
@@ -342,7 +360,7 @@ def generate(
     started = time.perf_counter()
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
-    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility)
+    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, repeats(prompts, device))
     if _use_graphs(compile, device, policy, record_visibility):
         run.graphs = DecodeGraphs()
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)

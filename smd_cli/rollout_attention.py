@@ -5,9 +5,10 @@ Called by the model's attention (`smd_cli.attention`) for every forward given `r
 state (`key_real`), and slots are masked by validity.
 
 Prefill (the whole padded prompt, one layer at a time): causal attention through the mask-free causal
-kernel (`kernels.causal`), then the policy scores what it needs (SnapKV only the observation-window rows,
-H2O column sums in chunks) and the kept entries are copied into that layer's `EvictingLayer`, before the
-next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
+kernel (`kernels.causal`; a prompt that several rows repeat, GRPO's G samples, runs once and its keys and
+values are handed to each of its rows), then the policy scores, per row, what it needs (SnapKV only the
+observation-window rows, H2O column sums in chunks; per row, so that a random policy still draws for every
+row) and the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
 valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
 or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
 column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
@@ -42,9 +43,10 @@ class RolloutState:
     evict_at: torch.Tensor  # [N, L, Hkv, P + Rmax + 1] int32; the last column collects writes to nowhere
     visibility: torch.Tensor | None  # [N, L, Hkv, P + Rmax, P + Rmax] bool when recording
     entries: torch.Tensor  # [Rmax] long: entries attended at each forward (0 = prefill), summed over rows, layers, KV heads
+    groups: tuple | None = None  # (first [U], owner [N]): the prefill runs the distinct prompts, the policy every row
 
     @classmethod
-    def start(cls, config, policy, cache, prompt_mask, max_new_tokens: int, record_visibility: bool) -> "RolloutState":
+    def start(cls, config, policy, cache, prompt_mask, max_new_tokens: int, record_visibility: bool, groups=None) -> "RolloutState":
         rows, prompt_width = prompt_mask.shape
         layers, kv_heads = config.num_hidden_layers, config.num_key_value_heads
         width = prompt_width + max_new_tokens
@@ -53,7 +55,7 @@ class RolloutState:
         evict_at = torch.full((rows, layers, kv_heads, width + 1), NEVER, dtype=torch.int32, device=device)
         visibility = torch.zeros(rows, layers, kv_heads, width, width, dtype=torch.bool, device=device) if record_visibility else None
         entries = torch.zeros(max_new_tokens, dtype=torch.long, device=device)
-        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, entries)
+        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, entries, groups)
 
     @property
     def prompt_width(self) -> int:
@@ -81,7 +83,12 @@ class RolloutState:
 
 def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
     width = state.prompt_width
-    out = kernels.causal(query, key, value, scaling, state.first_real)
+    if state.groups is None:
+        out = kernels.causal(query, key, value, scaling, state.first_real)
+    else:  # the distinct prompts attend once; the policy then scores and keeps per row, as without repeats
+        first, owner = state.groups
+        out = kernels.causal(query, key, value, scaling, state.first_real[first])
+        query, key, value = query[owner], key[owner], value[owner]
     view = PrefillView(query=query, key=key, key_real=state.key_real, scaling=scaling, layer_idx=layer)
     chosen = state.policy.select_prefill(view, state.budget)
     state.cache.layers[layer].fill(key, value, chosen.index, chosen.ok, chosen.scores)

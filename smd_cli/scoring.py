@@ -27,18 +27,39 @@ def chunk_tokens(vocab_size: int, chunk: int | None = None) -> int:
     return int(chunk) if chunk else max(1, CHUNK_LOGITS // vocab_size)
 
 
+def prompt_groups(input_ids, attention_mask, prompt_length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows that share their prompt (GRPO's G samples of one prompt, next to each other): (first [U], the row
+    where each distinct prompt first appears; owner [N], each row's prompt in 0..U-1), or None when no two
+    neighbouring rows share one. Prompt tokens and padding both have to match."""
+    prompts = torch.cat([input_ids[:, :prompt_length], attention_mask[:, :prompt_length].long()], dim=1)  # [N, 2P]
+    _, owner, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
+    if counts.numel() == prompts.shape[0]:
+        return None
+    return counts.cumsum(0) - counts, owner
+
+
+def _decoder_layout(model) -> bool:
+    backbone = model.base_model
+    return all(hasattr(backbone, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
+
+
 def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
     """Final hidden states at the positions predicting the R response tokens (P-1 .. T-2): [B, R, Hd].
 
     Dense when `evict_at` is None; otherwise the shadow replay of the rollout's evictions (DESIGN.md
-    section 2), which gradient checkpointing's recompute replays too. Works with or without autograd."""
+    section 2), which gradient checkpointing's recompute replays too. Works with or without autograd.
+    Rows that share a prompt (`prompt_groups`) compute it once (`shared_prompt_views`)."""
     response_width = input_ids.shape[1] - prompt_length
     if response_width < 1:
         raise ValueError(f"no response columns: input width {input_ids.shape[1]}, prompt_length {prompt_length}")
     use_smd_attention(model)
-    extra = {}
     if evict_at is not None:
         check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
+    groups = prompt_groups(input_ids, attention_mask, prompt_length) if _decoder_layout(model) else None
+    if groups is not None:
+        return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)])[0]
+    extra = {}
+    if evict_at is not None:
         extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend)
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                            use_cache=False, **extra)
@@ -53,14 +74,19 @@ def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: i
     start after the prefill), so each layer's prompt keys and values are the replay's, handed over by the
     attention (`PromptTap`) and used at once by the teacher's response rows in that layer, which are the only
     rows that differ. Memory: one layer's prompt K/V besides the replay's own. Models without the usual
-    decoder layout (`embed_tokens`, `layers`, `norm`, `rotary_emb`) get a full dense teacher forward instead."""
+    decoder layout (`embed_tokens`, `layers`, `norm`, `rotary_emb`) get a full dense teacher forward instead.
+    Rows that share a prompt compute it once for both views (`shared_prompt_views`)."""
     backbone, P = model.base_model, prompt_length
-    if not all(hasattr(backbone, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    if not _decoder_layout(model):
         with torch.no_grad():
             teacher = response_hidden(model, input_ids, attention_mask, P, None, backend)
         return response_hidden(model, input_ids, attention_mask, P, evict_at, backend), teacher
     use_smd_attention(model)
     check_evict_at(evict_at, input_ids, attention_mask, P)
+    groups = prompt_groups(input_ids, attention_mask, P)
+    if groups is not None:
+        shadow_rows, teacher = shared_prompt_views(model, input_ids, attention_mask, P, groups, [(evict_at, True), (None, False)])
+        return shadow_rows, teacher
     shadow, tap = Replay.of(evict_at, attention_mask, P, backend), PromptTap(P)
     positions = position_ids_from_mask(attention_mask)
     hidden = backbone.embed_tokens(input_ids)  # [B, T, Hd]
@@ -79,6 +105,46 @@ def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: i
     with torch.no_grad():
         teacher = torch.cat([hidden[:, P - 1 : P].detach(), backbone.norm(teacher)[:, :-1]], 1)  # row P-1 is shared
     return hidden[:, P - 1 : -1], teacher
+
+
+def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, groups, views) -> list[torch.Tensor]:
+    """The response hidden states [N, R, Hd] of several views of rows whose prompts repeat, each prompt computed once.
+
+    Every prompt row is the same in every view and for every sample of a prompt (causal attention: a prompt
+    never sees a response; evictions start after the prefill), so the distinct prompts [U, P] go through each
+    layer once, and each view's response rows [N, R] then attend to their prompt's keys and values (handed over
+    by the attention, `PromptTap`, with their gradient) followed by their own: densely, or under the view's
+    shadow mask. `views`: (evict_at or None, with gradient) per view. GRPO's G samples share each prompt, so
+    the prompt, most of a long-context sequence, costs 1/G of a forward and backward: the same sums as one
+    forward per row, in another order (equal to float rounding, tested)."""
+    backbone, P = model.base_model, prompt_length
+    first, owner = groups
+    positions = position_ids_from_mask(attention_mask)  # [N, T]
+    prompt_mask, prompt_positions = attention_mask[first, :P], positions[first, :P]
+    hidden = backbone.embed_tokens(input_ids[first, :P])  # [U, P, Hd]
+    rotary = backbone.rotary_emb(hidden, prompt_positions)
+    replays = [None if evict_at is None else Replay.of(evict_at, attention_mask, P, "sdpa") for evict_at, _ in views]
+    rows = []
+    for _, grad in views:
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            rows.append(backbone.embed_tokens(input_ids[:, P:]))  # [N, R, Hd]
+    rows_rotary = backbone.rotary_emb(rows[0], positions[:, P:])
+    tap = PromptTap(P, keep_grad=True)
+    for layer in backbone.layers[: model.config.num_hidden_layers]:
+        tap.armed = True
+        hidden = layer(hidden, attention_mask=prompt_mask, position_embeddings=rotary, position_ids=prompt_positions, prompt_tap=tap)
+        key, value = tap.take()  # [U, Hkv, P, D]: each distinct prompt's, expanded to its rows by the attention
+        for i, ((_, grad), replay) in enumerate(zip(views, replays)):
+            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+                kv = (key, value, owner) if grad else (key.detach(), value.detach(), owner)
+                rows[i] = layer(rows[i], attention_mask=attention_mask, position_embeddings=rows_rotary, position_ids=positions[:, P:],
+                                prompt_kv=kv, shadow=replay)
+    last = backbone.norm(hidden[:, P - 1 :])[owner]  # [N, 1, Hd]: the prompt's last row predicts the first response token
+    out = []
+    for (_, grad), response in zip(views, rows):
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            out.append(torch.cat([last if grad else last.detach(), backbone.norm(response[:, :-1])], 1))  # [N, R, Hd]
+    return out
 
 
 def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:

@@ -129,10 +129,16 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
         pieces.append(kernels.causal(query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
                                      scaling, shadow.left_pad))
     if prompt_length < width:
-        columns = torch.arange(prompt_length, width, device=query.device)
-        mask = visibility(evict_layer, columns)  # [B, Hkv, R, T]: one layer's response rows
-        pieces.append(kernels.grouped(query[:, :, prompt_length:], key, value, mask, scaling))
+        pieces.append(replay_rows(layer, query[:, :, prompt_length:], key, value, scaling, shadow))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
+
+
+def replay_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:
+    """The replay's response rows alone: queries [B, H, R, D] at columns P .. T-1 over all T keys [B, Hkv, T, D],
+    under one layer's mask [B, Hkv, R, T] (SDPA with the query groups folded, on every device). [B, H, R, D]."""
+    width = key.shape[2]
+    columns = torch.arange(width - query.shape[2], width, device=query.device)
+    return kernels.grouped(query, key, value, visibility(shadow.evict_at[:, layer], columns), scaling)
 
 
 def causal_block_mask(width: int, device, block: int = FLEX_BLOCK):

@@ -2,8 +2,10 @@
 
 A cell of a table is the mean over the seeds (runs) that finished, with its standard error
 `s / sqrt(n)` (s the sample standard deviation, n - 1 in the denominator; none below two runs). Two cells
-are compared through their difference `d = a - b` and `se(d) = sqrt(se_a^2 + se_b^2)` (independent seeds),
-and a claim's verdict follows from where the interval `d +- Z se(d)` lies (Z = 2, about 95 %):
+are compared through their paired difference (`difference`): d, the mean over the seeds both have of the
+per-seed differences `a_s - b_s`, and se(d) its standard error (a seed's runs share their warm start, prompts
+and sampling, so the spread between warm starts cancels out); a claim's verdict follows from where the
+interval `d +- Z se(d)` lies (Z = 2, about 95 %):
 
 - ordering ("a > b"): holds if `d - Z se > 0`, does not hold if `d + Z se < 0`, else inconclusive;
 - parity within a margin m ("a matches b"): holds if `d - Z se >= -m` (a is not worse than b by m),
@@ -69,45 +71,35 @@ def aggregate(rows: list[dict], keys: list[str], metrics: list[str]) -> list[dic
     return out
 
 
-@dataclass(frozen=True)
-class Verdict:
-    verdict: str
-    difference: float | None
-    se: float | None
+def difference(a: dict, b: dict) -> Cell:
+    """The paired difference a - b: mean and standard error of the per-seed differences `a[s] - b[s]` over the
+    seeds both report (the runs of one seed share their warm start, prompts and sampling seed, so a seed's
+    runs differ only by what is compared; the spread between warm starts cancels out)."""
+    return cell(a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None)
 
 
-def _difference(a: Cell, b: Cell) -> tuple[float | None, float | None]:
-    if a.mean is None or b.mean is None:
-        return None, None
-    se = math.sqrt(a.se**2 + b.se**2) if a.se is not None and b.se is not None else None
-    return a.mean - b.mean, se
+def greater(d: Cell) -> str:
+    """Is a > b, given their difference d = a - b?"""
+    if d.mean is None or d.se is None:
+        return INCONCLUSIVE
+    return HOLDS if d.mean - Z * d.se > 0 else FAILS if d.mean + Z * d.se < 0 else INCONCLUSIVE
 
 
-def greater(a: Cell, b: Cell) -> Verdict:
-    """Is a > b?"""
-    d, se = _difference(a, b)
-    if d is None or se is None:
-        return Verdict(INCONCLUSIVE, d, se)
-    return Verdict(HOLDS if d - Z * se > 0 else FAILS if d + Z * se < 0 else INCONCLUSIVE, d, se)
+def not_worse(d: Cell, margin: float) -> str:
+    """Does a match b within `margin` (a not worse by more than the margin), given d = a - b?"""
+    if d.mean is None or d.se is None:
+        return INCONCLUSIVE
+    return HOLDS if d.mean - Z * d.se >= -margin else FAILS if d.mean + Z * d.se < -margin else INCONCLUSIVE
 
 
-def not_worse(a: Cell, b: Cell, margin: float) -> Verdict:
-    """Does a match b within `margin` (a not worse than b by more than the margin)?"""
-    d, se = _difference(a, b)
-    if d is None or se is None:
-        return Verdict(INCONCLUSIVE, d, se)
-    return Verdict(HOLDS if d - Z * se >= -margin else FAILS if d + Z * se < -margin else INCONCLUSIVE, d, se)
-
-
-def at_most(x: Cell, bound: float) -> Verdict:
+def at_most(x: Cell, bound: float) -> str:
     """Is x <= bound? (A number without a standard error, e.g. a deterministic memory ratio, is taken as exact.)"""
     if x.mean is None:
-        return Verdict(INCONCLUSIVE, None, None)
+        return INCONCLUSIVE
     se = x.se or 0.0
-    return Verdict(HOLDS if x.mean + Z * se <= bound else FAILS if x.mean - Z * se > bound else INCONCLUSIVE, x.mean - bound, x.se)
+    return HOLDS if x.mean + Z * se <= bound else FAILS if x.mean - Z * se > bound else INCONCLUSIVE
 
 
-def at_least(x: Cell, bound: float) -> Verdict:
+def at_least(x: Cell, bound: float) -> str:
     """Is x >= bound? (As `at_most`, mirrored.)"""
-    v = at_most(Cell(None if x.mean is None else -x.mean, x.se, x.n), -bound)
-    return Verdict(v.verdict, None if v.difference is None else -v.difference, v.se)
+    return at_most(Cell(None if x.mean is None else -x.mean, x.se, x.n), -bound)

@@ -65,8 +65,8 @@ def test_gradients_are_the_same_with_checkpointing(model, tiny_tokenizer, monkey
     checkpointed = copy.deepcopy(model)
     enable_checkpointing(checkpointed)
     replays = []
-    replay = attention.replay
-    monkeypatch.setattr(attention, "replay", lambda layer, *args: replays.append(layer) or replay(layer, *args))
+    for name_ in ("replay", "replay_rows"):  # the whole replayed sequence, or its response rows after a shared prompt
+        monkeypatch.setattr(attention, name_, lambda layer, *args, _f=getattr(attention, name_): replays.append(layer) or _f(layer, *args))
     recomputed = gradients(checkpointed, batch, algo, ref)
 
     worst = max(float((a - b).abs().max()) for a, b in zip(plain, recomputed))

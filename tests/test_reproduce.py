@@ -65,11 +65,11 @@ def test_claims_are_judged_by_their_rules(tmp_path):
             for a in evict for s in range(3)]
     main_ = fake_sweep(tmp_path, "main", ["algo", "seed"], runs)
     found = {(f.claim, f.view): f for f in claims.main_table(main_)}
-    assert found[("SMD beats naive compression", "under eviction")].verdict == HOLDS  # d = 0.30, se = 0.016
+    assert found[("SMD beats naive compression", "under eviction")].verdict == HOLDS  # paired d = 0.30, se = 0
     assert found[("SMD beats naive compression", "dense cache")].verdict == INCONCLUSIVE  # d = 0 exactly
     assert found[("Naive compression falls behind dense", "under eviction")].verdict == FAILS  # dense 0.31 < naive 0.42
     assert found[("SMD is near-lossless against dense at 50 % compression", "under eviction")].verdict == HOLDS
-    assert "smd 0.720 ± 0.012 vs naive_sparse 0.420 ± 0.012 (n = 3, 3); difference +0.300 ± 0.016" in \
+    assert "smd 0.720 ± 0.012 vs naive_sparse 0.420 ± 0.012; paired difference +0.300 ± 0.000 over 3 seeds" in \
         found[("SMD beats naive compression", "under eviction")].evidence
     lam = fake_sweep(tmp_path, "lambda", ["lambda", "seed"], [({"lambda": lv, "seed": str(s)}, {"eval/evict/reward_after": m + 0.01 * s,
                                                                                                "eval/reward_after": 0.5})

@@ -378,3 +378,40 @@ def test_cuda_graph_decode_matches_eager(tiny_tokenizer, name):
     with torch.no_grad():
         replay = response_logits(model, graphed.input_ids, graphed.attention_mask, graphed.prompt_length, graphed.evict_at)
     assert diff(graphed, replay).max() <= 1e-4
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_a_repeated_prompt_is_prefilled_once_and_changes_nothing(model, prompts, monkeypatch, name):
+    """GRPO's G samples of a prompt: its prefill runs once (the policy still scores every row, so a random one draws
+    per row) and the rollout equals one that prefills every row; the learner computes each prompt once too, and
+    both its replay and the physical learner give the sampler's log-probs."""
+    from smd_cli import rollout as module
+
+    repeated = [p for p in prompts[:3] for _ in range(3)]  # 3 prompts x 3 samples, left-padded to 41
+
+    def run(share: bool):
+        rows = []
+        hook = model.model.layers[0].register_forward_pre_hook(
+            lambda layer, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
+        if not share:
+            monkeypatch.setattr(module, "repeats", lambda *a: None)
+        try:
+            batch = generate(model, repeated, policy=POLICIES[name](), max_new_tokens=R, temperature=1.0,
+                             generator=torch.Generator().manual_seed(7), eos_token_id=2, pad_token_id=0, record_visibility=True)
+        finally:
+            hook.remove()
+            monkeypatch.undo()
+        return batch, rows
+
+    shared, rows = run(True)
+    alone, rows_alone = run(False)
+    assert rows[0] == 3 and rows_alone[0] == 9 and rows[1:] == rows_alone[1:] == [9] * (len(rows) - 1)  # prefill, then decode
+    assert torch.equal(shared.input_ids, alone.input_ids) and torch.equal(shared.evict_at, alone.evict_at)
+    assert (shared.logprobs - alone.logprobs).abs().max() <= 1e-6 and shared.stats["kv/bytes_peak"] == alone.stats["kv/bytes_peak"]
+    queried = shared.attention_mask.bool().clone()  # the queries the rollout ran (as in the encoding test above)
+    queried[:, : shared.prompt_length], queried[:, -1] = True, False
+    queried = queried[:, None, None, :].expand(shared.visibility.shape[:4])
+    assert torch.equal(decode_visibility(shared.evict_at)[queried], shared.visibility[queried])
+    assert diff(shared, response_logits(model, shared.input_ids, shared.attention_mask, shared.prompt_length, shared.evict_at)).max() <= BOUND
+    physical = physical_response_logits(model, shared.input_ids, shared.attention_mask, shared.prompt_length, shared.evict_at)
+    assert diff(shared, physical).max() <= BOUND

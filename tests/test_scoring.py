@@ -65,3 +65,45 @@ def test_chunk_size_follows_the_vocabulary():
     assert chunk_tokens(151936) == (1 << 23) // 151936 == 55
     assert chunk_tokens(541) == (1 << 23) // 541
     assert chunk_tokens(151936, 7) == 7
+
+
+@pytest.mark.parametrize("policy", ["dense", "snapkv", "h2o"])
+def test_a_prompt_its_samples_share_is_computed_once(tiny_tokenizer, policy):
+    """The learner computes a prompt once for its G samples (GRPO's rows, side by side): hidden states, the SMD
+    teacher's, and gradients equal each row's own forward (a batch of one: nothing shared), to float rounding."""
+    from smd_cli.eviction.h2o import H2O
+    from smd_cli.eviction.snapkv import SnapKV
+    from smd_cli.models import build_tiny_model
+    from smd_cli.rollout import generate
+    from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden
+
+    model = build_tiny_model(len(tiny_tokenizer), seed=0)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, len(tiny_tokenizer), (n,), generator=generator).tolist() for n in (30, 22)]
+    prompts = [p for p in prompts for _ in range(3)]  # 2 prompts x 3 samples, the second left-padded
+    make = {"dense": lambda: None, "snapkv": lambda: SnapKV(0.5, sink=2, window=4), "h2o": lambda: H2O(0.5, window=4)}[policy]
+    b = generate(model, prompts, policy=make(), max_new_tokens=6, generator=torch.Generator().manual_seed(1), eos_token_id=2,
+                 pad_token_id=0, measure_dense_kv=False)
+    P, mask = b.prompt_length, b.response_mask[..., None]
+    rows = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda m, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).shape[:2]),
+                                                          with_kwargs=True)
+    model.train()
+    shared = response_hidden(model, b.input_ids, b.attention_mask, P, b.evict_at)
+    hook.remove()
+    assert rows == [(2, P), (6, b.input_ids.shape[1] - P)]  # the 2 prompts once, then the 6 rows' responses
+    (shared.sin() * mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    alone = torch.cat([response_hidden(model, b.input_ids[i : i + 1], b.attention_mask[i : i + 1], P,
+                                       None if b.evict_at is None else b.evict_at[i : i + 1]) for i in range(6)])
+    (alone.sin() * mask).sum().backward()
+    torch.testing.assert_close(shared * mask, alone * mask, atol=1e-5, rtol=1e-5)
+    for got, want in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=1e-4)
+    if b.evict_at is not None:  # SMD's two views on one shared prompt
+        shadow, teacher = shadow_and_teacher_hidden(model, b.input_ids, b.attention_mask, P, b.evict_at)
+        dense_alone = torch.cat([response_hidden(model, b.input_ids[i : i + 1], b.attention_mask[i : i + 1], P) for i in range(6)])
+        torch.testing.assert_close(shadow * mask, alone * mask, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(teacher * mask, dense_alone.detach() * mask, atol=1e-5, rtol=1e-5)
+        assert not teacher.requires_grad

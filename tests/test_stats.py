@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, aggregate, at_least, at_most, cell, greater, not_worse
+from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, aggregate, at_least, at_most, cell, difference, greater, not_worse
 
 
 def test_cell_is_the_mean_and_sample_standard_error():
@@ -24,17 +24,22 @@ def test_aggregate_groups_finished_runs():
     assert (b["n"], b["runs"], b["r"], b["r se"]) == (1, 2, 0.5, None)
 
 
+def test_paired_differences_by_hand():
+    a, b = {"0": 0.9, "1": 0.5, "2": 0.7}, {"0": 0.8, "1": 0.3, "2": 0.65, "3": 0.1}  # seed 3 has no pair
+    d = difference(a, b)  # 0.1, 0.2, 0.05: the warm starts' spread (0.5 to 0.9) cancels
+    assert d.n == 3 and d.mean == pytest.approx(0.35 / 3)
+    assert d.se == pytest.approx(math.sqrt(((0.1 - 0.35 / 3) ** 2 + (0.2 - 0.35 / 3) ** 2 + (0.05 - 0.35 / 3) ** 2) / 2 / 3))
+    assert greater(d) == HOLDS  # 0.117 - 2 * 0.044 > 0, where unpaired cells (se 0.12 and 0.15) would be inconclusive
+
+
 def test_verdicts_follow_the_written_rules():
-    high, low = Cell(0.9, 0.01, 3), Cell(0.5, 0.02, 3)  # d = 0.4, se = sqrt(0.0005) = 0.0224
-    v = greater(high, low)
-    assert v.verdict == HOLDS and v.difference == pytest.approx(0.4) and v.se == pytest.approx(math.sqrt(0.0005))
-    assert greater(low, high).verdict == FAILS
-    assert greater(Cell(0.52, 0.02, 3), Cell(0.5, 0.02, 3)).verdict == INCONCLUSIVE  # 0.02 - 2 * 0.028 < 0 < 0.02 + ...
-    assert greater(Cell(0.9, None, 1), low).verdict == INCONCLUSIVE  # one seed proves nothing
-    # parity within 0.05: 0.48 vs 0.5 (d = -0.02, se 0.01): -0.02 - 0.02 = -0.04 >= -0.05 -> holds
-    assert not_worse(Cell(0.48, 0.01, 3), Cell(0.5, 0.0, 3), 0.05).verdict == HOLDS
-    assert not_worse(Cell(0.40, 0.01, 3), Cell(0.5, 0.0, 3), 0.05).verdict == FAILS  # -0.1 + 0.02 < -0.05
-    assert not_worse(Cell(0.46, 0.01, 3), Cell(0.5, 0.0, 3), 0.05).verdict == INCONCLUSIVE
-    assert at_most(Cell(1.04, 0.02, 3), 1.10).verdict == HOLDS and at_most(Cell(1.2, 0.02, 3), 1.10).verdict == FAILS
-    assert at_most(Cell(1.09, 0.02, 3), 1.10).verdict == INCONCLUSIVE and at_most(Cell(1.11, None, 1), 1.10).verdict == FAILS
-    assert at_least(Cell(0.3, 0.02, 3), 0.2).verdict == HOLDS and at_least(Cell(0.05, 0.01, 3), 0.2).verdict == FAILS
+    assert greater(Cell(0.4, 0.02, 3)) == HOLDS and greater(Cell(-0.4, 0.02, 3)) == FAILS
+    assert greater(Cell(0.02, 0.028, 3)) == INCONCLUSIVE  # 0.02 - 0.056 < 0 < 0.02 + 0.056
+    assert greater(Cell(0.4, None, 1)) == INCONCLUSIVE  # one seed proves nothing
+    # parity within 0.05: d = -0.02, se 0.01: -0.02 - 0.02 = -0.04 >= -0.05 -> holds
+    assert not_worse(Cell(-0.02, 0.01, 3), 0.05) == HOLDS
+    assert not_worse(Cell(-0.1, 0.01, 3), 0.05) == FAILS  # -0.1 + 0.02 < -0.05
+    assert not_worse(Cell(-0.04, 0.01, 3), 0.05) == INCONCLUSIVE
+    assert at_most(Cell(1.04, 0.02, 3), 1.10) == HOLDS and at_most(Cell(1.2, 0.02, 3), 1.10) == FAILS
+    assert at_most(Cell(1.09, 0.02, 3), 1.10) == INCONCLUSIVE and at_most(Cell(1.11, None, 1), 1.10) == FAILS
+    assert at_least(Cell(0.3, 0.02, 3), 0.2) == HOLDS and at_least(Cell(0.05, 0.01, 3), 0.2) == FAILS

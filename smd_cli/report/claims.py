@@ -1,8 +1,8 @@
 """The paper's claims, each with the rule that turns the measured data into a verdict.
 
 Every verdict is computed here from the sweeps and the benchmarks, never typed: comparisons of held-out
-metrics use `smd_cli.stats` (a difference and its standard error over seeds; `holds` / `does not hold` /
-`inconclusive`), bounds on benchmark ratios compare the measured number with the bound. A claim about the
+metrics use `smd_cli.stats` (the paired difference over seeds and its standard error; `holds` / `does not
+hold` / `inconclusive`), bounds on benchmark ratios compare the measured number with the bound. A claim about the
 trained policies is judged twice, once per way of evaluating them on the held-out split: with a dense KV
 cache, and under the run's eviction (a dense-trained policy under SnapKV at the same compression), since
 the paper's tables do not say which one they use and SMD optimises the second.
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from smd_cli.report.data import Sweep
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, Verdict, at_least, at_most, cell, greater, not_worse
+from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, at_least, at_most, cell, difference, greater, not_worse
 
 MARGIN = 0.05  # "matches" / "robust": not worse by more than 0.05 of the metric (fixed before any run)
 VIEWS = {"dense cache": "eval/reward_after", "under eviction": "eval/evict/reward_after"}
@@ -34,23 +34,24 @@ class Finding:
     view: str | None = None  # the held-out evaluation (a key of VIEWS) for claims on the trained policies
 
 
-def _pair(name_a: str, a: Cell, name_b: str, b: Cell, v: Verdict) -> str:
-    diff = "-" if v.difference is None else f"{v.difference:+.3f}" + ("" if v.se is None else f" ± {v.se:.3f}")
-    return f"{name_a} {a} vs {name_b} {b} (n = {a.n}, {b.n}); difference {diff}"
+def _pair(name_a: str, a: Cell, name_b: str, b: Cell, d: Cell) -> str:
+    return f"{name_a} {a} vs {name_b} {b}; paired difference {'-' if d.mean is None else f'{d.mean:+.3f}'}" + \
+        ("" if d.se is None else f" ± {d.se:.3f}") + f" over {d.n} seeds"
 
 
-GREATER = "a > b: holds if d - 2 se > 0, does not hold if d + 2 se < 0"
-NOT_WORSE = f"a matches b: holds if d - 2 se >= -{MARGIN}, does not hold if d + 2 se < -{MARGIN}"
+GREATER = "a > b: holds if d - 2 se > 0, does not hold if d + 2 se < 0 (d: mean of the per-seed differences a - b)"
+NOT_WORSE = f"a matches b: holds if d - 2 se >= -{MARGIN}, does not hold if d + 2 se < -{MARGIN} (d: mean of the per-seed a - b)"
 
 
 def _compare(claim, paper, sweep: Sweep, scope: str, a: dict, b: dict, names: tuple[str, str], margin: float | None = None):
-    """One finding per evaluation view: a vs b (swept values), by `greater` or, with a margin, `not_worse`."""
+    """One finding per evaluation view: a vs b (swept values) by their paired difference, with `greater` or, with
+    a margin, `not_worse`."""
     out = []
     for view, metric in VIEWS.items():
-        ca, cb = sweep.cell(metric, **a), sweep.cell(metric, **b)
-        v = greater(ca, cb) if margin is None else not_worse(ca, cb, margin)
-        out.append(Finding(claim, paper, GREATER if margin is None else NOT_WORSE, scope, _pair(names[0], ca, names[1], cb, v),
-                           v.verdict, view))
+        d = difference(sweep.by_seed(metric, **a), sweep.by_seed(metric, **b))
+        verdict = greater(d) if margin is None else not_worse(d, margin)
+        out.append(Finding(claim, paper, GREATER if margin is None else NOT_WORSE, scope,
+                           _pair(names[0], sweep.cell(metric, **a), names[1], sweep.cell(metric, **b), d), verdict, view))
     return out
 
 
@@ -70,11 +71,11 @@ def main_table(sweep: Sweep) -> list[Finding]:
         out += _compare("Naive compression falls behind dense", "GSM8K 64.3 vs 74.5", sweep, scope, {**t, "algo": "dense"},
                         {**t, "algo": "naive_sparse"}, ("dense", "naive_sparse"))
         rejected = sweep.cell("steps:is/rejected_seq_frac:mean", **t, algo="sparse_rl")
-        v = at_least(rejected, 0.2) if rejected.n else Verdict(NOT_MEASURED, None, None)
         out.append(Finding("Sparse-RL's rejection discards many rollouts", "often > 20 % of trajectories",
                            "fraction >= 0.2: holds if mean - 2 se >= 0.2, does not hold if mean + 2 se < 0.2", f"{scope}, training",
                            f"sequences vetoed per step {rejected}, tokens masked "
-                           f"{sweep.cell('steps:is/rejected_token_frac:mean', **t, algo='sparse_rl')}", v.verdict))
+                           f"{sweep.cell('steps:is/rejected_token_frac:mean', **t, algo='sparse_rl')}",
+                           at_least(rejected, 0.2) if rejected.n else NOT_MEASURED))
         if task == "tldr":
             out += _compare("SMD beats dense in ROUGE-L on TL;DR", "SMD above dense", sweep, scope, {**t, "algo": "smd"},
                             {**t, "algo": "dense"}, ("smd", "dense"))
@@ -121,16 +122,17 @@ def lambda_best(sweep: Sweep) -> list[Finding]:
         return []
     out = []
     for view, metric in VIEWS.items():
-        best = sweep.cell(metric, **{"lambda": "0.1"})
-        others = {v: sweep.cell(metric, **{"lambda": v}) for v in values if v != "0.1"}
-        above = [v for v, c in others.items() if greater(c, best).verdict == HOLDS]
-        below = [v for v, c in others.items() if greater(best, c).verdict == HOLDS]
-        verdict = FAILS if above else HOLDS if below and all(c.mean is None or c.mean <= best.mean for c in others.values()) else INCONCLUSIVE
-        evidence = "; ".join(f"lambda={v}: {c}" for v, c in [("0.1", best), *others.items()])
-        evidence += f". Significantly below 0.1: {', '.join(below) or 'none'}; above: {', '.join(above) or 'none'}"
+        best = sweep.by_seed(metric, **{"lambda": "0.1"})
+        gaps = {v: difference(sweep.by_seed(metric, **{"lambda": v}), best) for v in values if v != "0.1"}  # other - 0.1
+        above = [v for v, d in gaps.items() if greater(d) == HOLDS]
+        below = [v for v, d in gaps.items() if greater(Cell(None if d.mean is None else -d.mean, d.se, d.n)) == HOLDS]
+        highest = all(d.mean is None or d.mean <= 0 for d in gaps.values())
+        verdict = FAILS if above else HOLDS if below and highest else INCONCLUSIVE
+        evidence = "; ".join(f"lambda={v}: {sweep.cell(metric, **{'lambda': v})}" for v in values)
+        evidence += f". Significantly below 0.1 (paired): {', '.join(below) or 'none'}; above: {', '.join(above) or 'none'}"
         out.append(Finding("lambda = 0.1 is the best distillation weight", "0.1 best of the values tried",
-                           "holds if 0.1 has the highest mean and is significantly (d - 2 se > 0) above at least one value, does "
-                           "not hold if another value is significantly above it", "lambda values", evidence, verdict, view))
+                           "holds if 0.1 has the highest mean and is significantly above at least one value (paired d - 2 se > 0), "
+                           "does not hold if another value is significantly above it", "lambda values", evidence, verdict, view))
     if "0.8" in values:
         out += _compare("lambda = 0.8 degrades against 0.1", "excessive distillation degrades", sweep, "0.1 vs 0.8",
                         {"lambda": "0.1"}, {"lambda": "0.8"}, ("lambda=0.1", "lambda=0.8"))
@@ -143,14 +145,15 @@ def selection(sweep: Sweep) -> list[Finding]:
         return []
     out = []
     for view, metric in VIEWS.items():
-        base = sweep.cell(metric, eviction="snapkv", algo="smd")
-        checks = {p: not_worse(sweep.cell(metric, eviction=p, algo="smd"), base, MARGIN) for p in ("recent", "random") if p in policies}
-        verdicts = {v.verdict for v in checks.values()}
+        base = sweep.by_seed(metric, eviction="snapkv", algo="smd")
+        checks = {p: not_worse(difference(sweep.by_seed(metric, eviction=p, algo="smd"), base), MARGIN)
+                  for p in ("recent", "random") if p in policies}
+        verdicts = set(checks.values())
         verdict = FAILS if FAILS in verdicts else HOLDS if verdicts == {HOLDS} else INCONCLUSIVE
-        evidence = f"smd@snapkv {base}; " + "; ".join(f"smd@{p} {sweep.cell(metric, eviction=p, algo='smd')} ({v.verdict})"
-                                                       for p, v in checks.items())
+        evidence = f"smd@snapkv {sweep.cell(metric, eviction='snapkv', algo='smd')}; " + "; ".join(
+            f"smd@{p} {sweep.cell(metric, eviction=p, algo='smd')} ({v})" for p, v in checks.items())
         out.append(Finding("SMD is robust across token selection (SnapKV, Recent, Random)", "robust across the three",
-                           f"every one matches smd@snapkv (the rule of 'a matches b', margin {MARGIN})", "recent, random vs snapkv",
+                           f"every one matches smd@snapkv (the rule of 'a matches b', paired, margin {MARGIN})", "recent, random vs snapkv",
                            evidence, verdict, view))
     out += _compare("With Random selection SMD holds up where naive compression fails", "naive fails with Random", sweep,
                     "random", {"eviction": "random", "algo": "smd"}, {"eviction": "random", "algo": "naive_sparse"},
@@ -173,10 +176,10 @@ def memory(bench: dict | None) -> list[Finding]:
     return [
         Finding("SMD's learner stays at the baseline's memory", "SMD 100 % of baseline VRAM",
                 "holds if SMD / naive_sparse dynamic learner memory <= 1.05 (DESIGN.md contract 3)", scope,
-                f"SMD / naive_sparse {smd:.3f}", HOLDS if smd <= 1.05 else FAILS),
+                f"SMD / naive_sparse {smd:.3f}", at_most(Cell(smd, None, 1), 1.05)),
         Finding("Sparse-RL's learner needs 150 % of the baseline's memory", "+1.24 GB, 150 % of baseline",
                 "holds if Sparse-RL / naive_sparse learner memory (dynamic + static) >= 1.35 (within 10 % of 1.5)", scope,
-                f"Sparse-RL / naive_sparse {sparse_rl:.3f} (its frozen reference model included)", HOLDS if sparse_rl >= 1.35 else FAILS),
+                f"Sparse-RL / naive_sparse {sparse_rl:.3f} (its frozen reference model included)", at_least(Cell(sparse_rl, None, 1), 1.35)),
         Finding("Physical eviction spikes the learner's memory, the mask does not", "not-in-place allocation spikes",
                 "holds if physical / dense forward+backward >= 1.10 and shadow / dense <= 1.05 (SnapKV rollout)", scope,
                 f"physical / dense {physical:.3f}, shadow / dense {shadow:.3f}" + "".join(
@@ -194,11 +197,12 @@ def overhead(benches: list[dict]) -> list[Finding]:
             continue
         c = cell(rounds)
         a = bench["args"]
-        v = at_most(c, 1.10)
+        group = a.get("group", 1)
         out.append(Finding("SMD's training step costs under 10 % more than naive sparse's", "< 10 % of training time",
                            "holds if mean + 2 se <= 1.10 over the rounds' ratios, does not hold if mean - 2 se > 1.10",
-                           f"{a['layers']} layers x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']})",
-                           f"smd / naive_sparse step {c} over {c.n} rounds (median {bench['over_naive_sparse']['smd']:.3f})", v.verdict))
+                           f"{a['layers']} layers x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']})"
+                           + (f", {group} rows per prompt" if group > 1 else ", distinct prompts"),
+                           f"smd / naive_sparse step {c} over {c.n} rounds (median {bench['over_naive_sparse']['smd']:.3f})", at_most(c, 1.10)))
     return out
 
 
@@ -210,7 +214,8 @@ def separation(sweep: Sweep) -> list[str]:
         t = {"task": task} if task else {}
         for view, metric in VIEWS.items():
             pairs = [f"{a} > {b}" for a in algos for b in algos if a != b
-                     and greater(sweep.cell(metric, **t, algo=a), sweep.cell(metric, **t, algo=b)).verdict == HOLDS]
+                     and greater(difference(sweep.by_seed(metric, **t, algo=a), sweep.by_seed(metric, **t, algo=b))) == HOLDS]
             where = f"task {task}, {view}" if task else view
-            lines.append(f"{where}: " + (", ".join(pairs) if pairs else "no pair of algorithms is separated (all differences within 2 se)"))
+            lines.append(f"{where}: " + (", ".join(pairs) if pairs else "no pair of algorithms is separated (every paired "
+                                                                       "difference within 2 se of 0)"))
     return lines

@@ -80,6 +80,10 @@ class Sweep:
         """Mean and standard error of `metric` over the finished runs with these swept values (the seeds)."""
         return cell(r.metric(metric) for r in self.select(**values) if r.ok)
 
+    def by_seed(self, metric: str, **values) -> dict[str, float]:
+        """`metric` of each finished run with these swept values, by its seed (for paired comparisons)."""
+        return {r.values.get("seed", ""): r.metric(metric) for r in self.select(**values) if r.ok and r.metric(metric) is not None}
+
     def seeds(self) -> list[str]:
         return self.values("seed") if "seed" in self.keys else []
 

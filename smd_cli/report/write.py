@@ -87,10 +87,11 @@ def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict)
     r.text(*_setup(main or next(iter(sweeps.values()))))
     findings = _claims(sweeps, bench)
     r.text("## The paper's claims, judged from the data",
-           f"Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`; "
-           f"d = difference of the means, se its standard error over seeds, margin {claims.MARGIN}; with one seed every "
-           "comparison is inconclusive). A claim on the trained policies is judged once per held-out evaluation: with a "
-           "dense KV cache, and under the run's eviction.")
+           "Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`, "
+           "`smd_cli/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and "
+           "sampling seed, so d is the mean of the per-seed differences and se its standard error (the spread between warm "
+           f"starts cancels out); margin {claims.MARGIN}; with one seed every comparison is inconclusive. A claim on the "
+           "trained policies is judged once per held-out evaluation: with a dense KV cache, and under the run's eviction.")
     _claims_tables(r, findings)
     if main is not None:
         r.text("Which algorithms the main table separates (a > b holds), per task and evaluation:",
@@ -127,7 +128,8 @@ def _header(header: dict, sweeps: dict[str, Sweep]) -> list[str]:
         f"- machine: {header.get('machine', '?')}",
         f"- seeds: {', '.join(seeds) or '-'} (each seed its own warm start and sampling)",
         f"- {len(runs)} training runs for {listed} table entries (a run that several tables share ran once); "
-        + (f"wall time of the runs and benchmarks {wall / 60:.1f} min" if isinstance(wall, (int, float)) else "wall time not recorded"),
+        + (f"wall time of the invocation(s) that ran them, benchmarks included, {wall / 60:.1f} min" if isinstance(wall, (int, float))
+           else "wall time not recorded"),
         f"- re-run: `{header.get('rerun', 'make reproduce')}`",
     ]
 

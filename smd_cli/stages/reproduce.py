@@ -163,10 +163,11 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
 
 
 def record_time(root: Path, started: float, ran: int) -> float:
-    """Append this invocation to ROOT/timing.json; returns the wall seconds of every invocation so far."""
+    """Append this invocation to ROOT/timing.json; returns the wall seconds of the invocations that ran training
+    runs (the one that ran them all, or the attempts of a stopped and resumed one), not of report-only ones."""
     path = root / "timing.json"
     history = json.loads(path.read_text()) if path.is_file() else []
     history.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)), "seconds": round(time.time() - started, 1),
                     "runs_to_run": ran})
     write_json(path, history)
-    return sum(h["seconds"] for h in history)
+    return sum(h["seconds"] for h in history if h["runs_to_run"]) or history[-1]["seconds"]
