@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -15,7 +16,7 @@ from rich.table import Table
 
 from smd_cli.io import read_jsonl, write_atomic
 
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)
 
 
 def _fmt(v) -> str:

@@ -98,9 +98,10 @@ def test_paper_scale_prints_its_plan_and_stops_without_a_gpu_or_the_hub(tmp_path
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
     assert "smd reproduce, paper scale: what will run" in text and "123 distinct training runs, 123 to run" in text
-    assert "make reproduce SCALE=paper stops here: it needs a CUDA GPU" in text
-    assert "the Hugging Face Hub model Qwen/Qwen3-4B-Instruct-2507: not in the local cache and HF_HUB_OFFLINE=1 is set" in text
-    assert "dataset openai/gsm8k" in text and not (tmp_path / "root" / "members").exists()
+    assert "make reproduce SCALE=paper stops here. It needs a CUDA GPU" in text
+    assert ("the Hugging Face Hub's model Qwen/Qwen3-4B-Instruct-2507, dataset openai/gsm8k, dataset trl-lib/tldr, dataset "
+            "ccdv/govreport-summarization, dataset hotpotqa/hotpot_qa: not in the local cache, and HF_HUB_OFFLINE=1 is set") in text
+    assert not (tmp_path / "root" / "members").exists()
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from smd_cli.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = ("float32", "bfloat16", "float16")
-console = Console()
+console = Console(width=None if sys.stdout.isatty() else 140)  # logs and pipes: tables 140 columns wide, not 80
 
 
 class ConfigError(ValueError):

@@ -93,15 +93,40 @@ def paper_requirements() -> list[str]:
                         "50-80 GB; `smd plan +recipe=gsm8k` predicts each phase)")
     from huggingface_hub import hf_hub_download
 
-    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-    for repo, kind, filename in [(HUB["paper_model"], "model", "config.json"),
-                                 *((repo, "dataset", "README.md") for repo in HUB["datasets"].values())]:
+    wanted = [(HUB["paper_model"], "model", "config.json"), *((repo, "dataset", "README.md") for repo in HUB["datasets"].values())]
+    missing = []
+    for repo, kind, filename in wanted:  # the local cache first: offline runs need nothing more
+        try:
+            hf_hub_download(repo, filename, repo_type=kind, local_files_only=True)
+        except Exception:
+            missing.append((repo, kind, filename))
+    if not missing:
+        return problems
+    names = ", ".join(f"{kind} {repo}" for repo, kind, _ in missing)
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return [*problems, f"the Hugging Face Hub's {names}: not in the local cache, and HF_HUB_OFFLINE=1 is set"]
+    unreachable = hub_unreachable()
+    if unreachable:
+        return [*problems, f"the Hugging Face Hub's {names}: not in the local cache, and the Hub is unreachable ({unreachable})"]
+    for repo, kind, filename in missing:  # reachable: gated or absent repositories are named
         try:
             hf_hub_download(repo, filename, repo_type=kind)
-        except Exception as err:  # offline and not cached, no network, gated: say which and why
-            why = "not in the local cache and HF_HUB_OFFLINE=1 is set" if offline else f"{type(err).__name__}: {err}".splitlines()[0]
-            problems.append(f"the Hugging Face Hub {kind} {repo}: {why}")
+        except Exception as err:
+            problems.append(f"the Hugging Face Hub {kind} {repo}: {type(err).__name__}: {str(err).splitlines()[0]}")
     return problems
+
+
+def hub_unreachable(timeout: float = 5.0) -> str | None:
+    """Why the Hub's endpoint cannot be reached (one quick try, no retries), or None."""
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as err:
+        return f"{host}:443: {err}"
+    return None
 
 
 def run_logged(command: list[str]) -> int:
@@ -118,9 +143,9 @@ def run(cfg: DictConfig) -> dict:
     if scale == "paper":
         missing = paper_requirements()
         if missing:
-            raise ConfigError("make reproduce SCALE=paper stops here: it needs " + "; ".join(missing) +
-                              ". The plan above is what it would run (run it on a GPU machine with the Hub reachable, "
-                              "or with the models and datasets in the Hugging Face cache)")
+            raise ConfigError("make reproduce SCALE=paper stops here. It needs " + "; and ".join(missing) +
+                              ". The plan above is what it would run: run it on a GPU machine with the Hub reachable, or with "
+                              "the model and datasets in the Hugging Face cache (PAPER_HUB_OFFLINE=1)")
     with open_dict(cfg):
         cfg.run_dir, cfg.overrides = str(root), list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     start_run(cfg)
