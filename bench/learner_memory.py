@@ -40,8 +40,10 @@ from smd_cli.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
 from smd_cli.scoring import response_logits  # noqa: E402
 
-TINY = dict(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, vocab=541, prompt=256, response=5, rows=128)  # a step of make train
-PAPER = dict(layers=2, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936, prompt=1024, response=64, rows=4)
+# TINY: a step of `make train` (16 prompts x 8 samples); PAPER: distinct prompts, as bench/plan_check.py --paper
+TINY = dict(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, vocab=541, prompt=256, response=5, rows=128, group=8)
+PAPER = dict(layers=2, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936, prompt=1024, response=64, rows=4,
+             group=1)
 
 
 def storage_bytes(tensors) -> int:
@@ -78,8 +80,10 @@ def measure(size: dict, device: str, seed: int = 0) -> dict:
                              intermediate_size=size["intermediate"], num_attention_heads=size["heads"],
                              num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"], device=device).eval()
     generator = torch.Generator(device=device).manual_seed(seed)
-    prompts = [torch.randint(3, size["vocab"], (size["prompt"] - i % 8,), generator=torch.Generator().manual_seed(i)).tolist()
-               for i in range(size["rows"])]
+    group = size.get("group", 1)  # rows per prompt: the learner and the prefill compute a prompt once for its rows
+    distinct = [torch.randint(3, size["vocab"], (size["prompt"] - i % 8,), generator=torch.Generator().manual_seed(i)).tolist()
+                for i in range(size["rows"] // group)]
+    prompts = [p for p in distinct for _ in range(group)]
     batch = generate(model, prompts, policy=SnapKV(compression=0.5), max_new_tokens=size["response"], temperature=1.0,
                      generator=generator, eos_token_id=-1, pad_token_id=0, measure_dense_kv=False)
     advantages = torch.randn(size["rows"], generator=torch.Generator().manual_seed(seed + 1)).to(device)
@@ -125,12 +129,13 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     size = dict(PAPER if args.paper else TINY)
     if args.quick:
-        size.update(prompt=64, rows=8)
+        size.update(prompt=64, rows=8, group=min(size.get("group", 1), 4))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result = measure(size, device)
     mib = 2.0**20
     print(f"learner memory, {device}: {size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, "
-          f"{size['rows']} x (P {size['prompt']} + R {size['response']}), SnapKV c = 0.5 (kept {result['kept_fraction']:.2f})")
+          f"{size['rows']} x (P {size['prompt']} + R {size['response']}), {size.get('group', 1)} row(s) per prompt, SnapKV c = 0.5 "
+          f"(kept {result['kept_fraction']:.2f})")
     print(f"{'algorithm':14s} {'dynamic MiB':>12s} {'static MiB':>11s} {'dynamic / naive':>16s} {'total / naive':>14s}")
     for name, r in result["algorithms"].items():
         print(f"{name:14s} {r['dynamic_peak_bytes'] / mib:12.2f} {r['static_bytes'] / mib:11.2f} "

@@ -135,10 +135,17 @@ def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, gr
         hidden = layer(hidden, attention_mask=prompt_mask, position_embeddings=rotary, position_ids=prompt_positions, prompt_tap=tap)
         key, value = tap.take()  # [U, Hkv, P, D]: each distinct prompt's, expanded to its rows by the attention
         for i, ((_, grad), replay) in enumerate(zip(views, replays)):
-            with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-                kv = (key, value, owner) if grad else (key.detach(), value.detach(), owner)
+            if grad and torch.is_grad_enabled():
                 rows[i] = layer(rows[i], attention_mask=attention_mask, position_embeddings=rows_rotary, position_ids=positions[:, P:],
-                                prompt_kv=kv, shadow=replay)
+                                prompt_kv=(key, value, owner), shadow=replay)
+                continue
+            with torch.no_grad():  # nothing is kept for a backward: U rows at a time, so that the rows' copies of their
+                parts = []         # prompt's keys and values never outgrow the prompts' own
+                for s in (slice(r, r + len(first)) for r in range(0, owner.shape[0], len(first))):
+                    parts.append(layer(rows[i][s], attention_mask=attention_mask[s], position_embeddings=tuple(t[s] for t in rows_rotary),
+                                       position_ids=positions[s, P:], prompt_kv=(key.detach(), value.detach(), owner[s]),
+                                       shadow=None if replay is None else replay.rows(s)))
+                rows[i] = torch.cat(parts)
     last = backbone.norm(hidden[:, P - 1 :])[owner]  # [N, 1, Hd]: the prompt's last row predicts the first response token
     out = []
     for (_, grad), response in zip(views, rows):

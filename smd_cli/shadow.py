@@ -103,6 +103,11 @@ class Replay:
     key_columns: list[torch.Tensor] | None = None
     query_columns: torch.Tensor | None = None
 
+    def rows(self, rows: slice) -> "Replay":
+        """The replay of some rows of the batch (an SDPA replay, as `shared_prompt_views` uses it)."""
+        left_pad = None if self.left_pad is None else self.left_pad[rows]
+        return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_mask, left_pad)
+
     @classmethod
     def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto") -> "Replay":
         """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and builds what the
