@@ -20,6 +20,7 @@ from smd_cli.attention import PromptTap, use_smd_attention
 from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
 
 CHUNK_LOGITS = 1 << 23  # logits per vocabulary chunk by default: 32 MiB in float32
+TEACHER_ROWS = 32  # fewest rows a no-grad view after a shared prompt runs at once (fewer calls on small batches)
 
 
 def chunk_tokens(vocab_size: int, chunk: int | None = None) -> int:
@@ -139,9 +140,10 @@ def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, gr
                 rows[i] = layer(rows[i], attention_mask=attention_mask, position_embeddings=rows_rotary, position_ids=positions[:, P:],
                                 prompt_kv=(key, value, owner), shadow=replay)
                 continue
-            with torch.no_grad():  # nothing is kept for a backward: U rows at a time, so that the rows' copies of their
-                parts = []         # prompt's keys and values never outgrow the prompts' own
-                for s in (slice(r, r + len(first)) for r in range(0, owner.shape[0], len(first))):
+            with torch.no_grad():  # nothing is kept for a backward: a few rows at a time, so that the rows' copies of
+                parts = []         # their prompt's keys and values stay about the size of the prompts' own
+                step = max(len(first), TEACHER_ROWS)
+                for s in (slice(r, r + step) for r in range(0, owner.shape[0], step)):
                     parts.append(layer(rows[i][s], attention_mask=attention_mask[s], position_embeddings=tuple(t[s] for t in rows_rotary),
                                        position_ids=positions[s, P:], prompt_kv=(key.detach(), value.detach(), owner[s]),
                                        shadow=None if replay is None else replay.rows(s)))
