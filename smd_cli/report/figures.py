@@ -22,6 +22,18 @@ def _pyplot():
     return plt
 
 
+def _finish(plt, fig, axes, title: str, path: Path) -> Path:
+    """Legends where something is drawn, the title, and the PNG at `path`."""
+    for ax in axes:
+        if ax.lines or ax.containers:
+            ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _band(ax, runs, key, label, color, log=False):
     """Mean over runs of per-step `key` with a +-1 standard-error band; steps where no run logged it are skipped."""
     by_step: dict[int, list[float]] = {}
@@ -55,15 +67,7 @@ def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
     axes[1].set(xlabel="step", ylabel="mean |log p - log p_sampler|", yscale="log",
                 title="the learner's own view vs the sampler")
     axes[2].set(xlabel="step", ylabel="mean |log p_dense - log p_sampler|", yscale="log", title="a dense learner vs the sampler")
-    for ax in axes:
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"{task or 'main table'}: mean and standard-error band over seeds", fontsize=10)
-    fig.tight_layout()
-    path = out / f"curves_{task or 'main'}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, axes, f"{task or 'main table'}: mean and standard-error band over seeds", out / f"curves_{task or 'main'}.png")
 
 
 def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> Path | None:
@@ -79,15 +83,8 @@ def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> P
             _band(axes[0][layer], runs, f"evidence/kept_l{layer}", algo, COLORS.get(algo))
     for layer, ax in enumerate(axes[0]):
         ax.set(xlabel="step", ylabel="answer-bearing KV kept", title=f"layer {layer}", ylim=(0, 1.02))
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"{task}: answer-bearing KV entries kept by the sampler's eviction (mean and standard-error band over seeds)",
-                 fontsize=10)
-    fig.tight_layout()
-    path = out / f"evidence_{task or 'main'}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, axes[0], f"{task}: answer-bearing KV entries kept by the sampler's eviction (mean and standard-error band "
+                   "over seeds)", out / f"evidence_{task or 'main'}.png")
 
 
 def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
@@ -105,14 +102,7 @@ def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
                 ax.errorbar([p for p, _ in pts], [c.mean for _, c in pts], yerr=[c.se or 0.0 for _, c in pts], marker="o", capsize=3,
                             label=algo or "smd", color=COLORS.get(algo or "smd"))
         ax.set(xlabel=x_key, ylabel=metric, title=f"held-out, {view}")
-        if ax.lines:
-            ax.legend(fontsize=8)
-    fig.suptitle(f"{name}: mean ± standard error over seeds", fontsize=10)
-    fig.tight_layout()
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, axes, f"{name}: mean ± standard error over seeds", out / f"{name}.png")
 
 
 def ablation_bars(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
@@ -129,10 +119,4 @@ def ablation_bars(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
                    color=COLORS.get(algo))
         ax.set_xticks(range(len(xs)), xs)
         ax.set(xlabel=x_key, ylabel=metric, title=f"held-out, {view}")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{name}: mean ± standard error over seeds", fontsize=10)
-    fig.tight_layout()
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _finish(plt, fig, axes, f"{name}: mean ± standard error over seeds", out / f"{name}.png")
