@@ -274,11 +274,14 @@ def _overhead_section(r: Report, benches: list[dict]) -> None:
     if not benches:
         return
     r.text("## Step-time overhead", "`python bench/step_overhead.py --algos ...`: each algorithm's step (rollout + learner) "
-           "on the same batch, interleaved round by round; medians and each round's ratio to naive_sparse.")
+           "on the same batch, interleaved round by round; medians and each round's ratio to naive_sparse. With G rows per "
+           "prompt (GRPO's shape) the prefill and the learner compute each prompt once, so the response rows, where SMD's "
+           "teacher and KL add their work, weigh more.")
     rows = []
     for b in benches:
         a = b["args"]
-        size = f"{a['layers']} x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']})"
+        size = f"{a['layers']} x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']}), " + \
+            (f"{a['group']} rows per prompt" if a.get("group", 1) > 1 else "distinct prompts")
         for name, median in b["median_seconds"].items():
             rounds = cell(b["rounds_over_naive_sparse"][name])
             rows.append([size, name, f"{median:.3f}", f"{b['over_naive_sparse'][name]:.3f}", str(rounds)])
