@@ -146,10 +146,11 @@ def _no_hf_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def save_model(path: Path, model, tokenizer=None) -> None:
-    """`save_pretrained` (safetensors) of the model, and of the tokenizer when it has one."""
+def save_model(path: Path, model, tokenizer=None, state_dict: dict | None = None) -> None:
+    """`save_pretrained` (safetensors) of the model (of `state_dict` in its layout when given: the full weights
+    of a sharded model), and of the tokenizer when it has one."""
     with _no_hf_progress_bars():
-        model.save_pretrained(path)
+        model.save_pretrained(path, state_dict=state_dict)
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(path)
 
@@ -166,18 +167,21 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, extra: dict | None = None,
-                    keep_last: int | None = None) -> Path:
+                    keep_last: int | None = None, model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
     """Write `RUN/checkpoints/step_{step:06d}` atomically, then keep only the newest `keep_last` (None: all).
 
-    `extra` holds plain types only (numbers, strings, lists, dicts) so that it loads with weights_only."""
+    `extra` holds plain types only (numbers, strings, lists, dicts) so that it loads with weights_only.
+    `model_state` and `optimizer_state` stand for the model's and the optimizer's own when given: the full
+    states of a sharded run (`smd_cli.distributed`), in the one-process layout, so any world size resumes it."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
     tmp, final = root / f".step_{step:06d}.tmp", root / f"step_{step:06d}"
-    state = {"format": FORMAT, "step": step, "optimizer": optimizer.state_dict(), "rng": rng_state(), "extra": extra or {}}
+    optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
+    state = {"format": FORMAT, "step": step, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}}
 
     def write(folder: Path) -> None:
-        save_model(folder / "model", model, tokenizer)
+        save_model(folder / "model", model, tokenizer, model_state)
         torch.save(state, folder / "trainer_state.pt")
 
     _write_dir(tmp, final, write, f"checkpoint step {step}")
@@ -209,10 +213,10 @@ def _write_dir(tmp: Path, final: Path, write, what: str) -> None:
     replace_dir_atomic(tmp, final)
 
 
-def save_final(run_dir: Path, model, tokenizer=None) -> Path:
+def save_final(run_dir: Path, model, tokenizer=None, model_state: dict | None = None) -> Path:
     """`RUN/final`: the last weights in save_pretrained form (what `smd eval checkpoint=RUN/final` reads)."""
     tmp, final = Path(run_dir) / ".final.tmp", Path(run_dir) / "final"
-    _write_dir(tmp, final, lambda folder: save_model(folder, model, tokenizer), "the final weights")
+    _write_dir(tmp, final, lambda folder: save_model(folder, model, tokenizer, model_state), "the final weights")
     return final
 
 
@@ -263,20 +267,20 @@ def config_differences(saved: dict, current: dict, ignore: tuple[str, ...] = (),
     return out
 
 
-def resume_run(checkpoint: Checkpoint, model, optimizer, trust_remote_code: bool = False,
-               launched_in: Path | None = None) -> tuple[dict, dict]:
-    """Restore `checkpoint` (verified and config-checked by the caller: `newest_intact`, `check_config`) into
-    `model` and `optimizer`. Returns the rest of its `extra` and its RNG states (set them right before the
-    step loop, so that nothing in between draws from them). The resumption is appended to `RUN/resumes.jsonl`."""
+def resume_run(checkpoint: Checkpoint, model, trust_remote_code: bool = False,
+               launched_in: Path | None = None) -> tuple[dict, dict, dict]:
+    """Restore `checkpoint`'s weights into `model` (verified and config-checked by the caller: `newest_intact`,
+    `check_config`). Returns the rest of its `extra`, its RNG states (set them right before the step loop, so
+    that nothing in between draws from them) and the optimizer's state dict (for `optimizer.load_state_dict`,
+    once the optimizer is built). With `launched_in`, the resumption is appended to `RUN/resumes.jsonl`."""
     state = load_trainer_state(checkpoint)
     extra = dict(state["extra"])
     extra.pop("config", None)
     load_weights(model, checkpoint.path / "model", trust_remote_code)
-    optimizer.load_state_dict(state["optimizer"])
-    run_dir = checkpoint.path.parent.parent
-    with (run_dir / "resumes.jsonl").open("a") as f:
-        f.write(json.dumps({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
-    return extra, state["rng"]
+    if launched_in is not None:
+        with (checkpoint.path.parent.parent / "resumes.jsonl").open("a") as f:
+            f.write(json.dumps({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+    return extra, state["rng"], state["optimizer"]
 
 
 def resume_target(resume: bool | str | None, current_run: Path, named: bool = False) -> Path | None:

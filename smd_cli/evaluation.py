@@ -6,7 +6,9 @@ examples, an optional eviction policy) and returns per-example rows plus a summa
 mean and standard error, the KV-cache and process peak memory, throughput and, under eviction on a task that
 names its answer-bearing prompt positions (the synthetic ones), how much of that evidence survived
 (`evidence/kept_l{l}`). Prompts are sorted by length before batching (less left padding), and rows come
-back in the examples' order.
+back in the examples' order. Sampling draws one noise row per example up front (`sampling_noise`), so an
+example's completion does not depend on the batch it is decoded in. Under torchrun each rank decodes every
+N-th example of that order and the rows are gathered: the summary is the whole split's, on every rank.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 
 import torch
 
-from smd_cli.rollout import RolloutBatch, ended_with_eos, generate, response_texts
+from smd_cli import distributed
+from smd_cli.rollout import RolloutBatch, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import kept_through
 from smd_cli.tasks.base import Example, Task
 
@@ -83,22 +86,22 @@ def evaluate(
     if batch_size < 1:
         raise ValueError(f"eval.batch_size must be >= 1, got {batch_size}")
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    noise = sampling_noise(len(examples), max_new_tokens, torch.Generator().manual_seed(seed)) if temperature > 0 else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     prompts = [task.encode_prompt(e, tokenizer) for e in examples]
-    order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))
+    order = sorted(range(len(examples)), key=lambda i: len(prompts[i]))[distributed.rank() :: distributed.size()]
     rows: list[dict[str, Any] | None] = [None] * len(examples)
     kv_peak, kv_peak_dense, response_tokens = 0.0, 0.0, 0
     kept: dict[str, float] = {}  # evidence/* summed over rows (each batch's means weighted by its rows)
     started = time.perf_counter()
-    bar, bar_task = _progress(progress, len(examples))
+    bar, bar_task = _progress(progress, len(order))
     with bar:
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = generate(
                 model, [prompts[i] for i in chunk], policy=policy, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, generator=generator,
+                temperature=temperature, top_p=top_p, noise=None if noise is None else noise[chunk],
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
             )
             kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])
@@ -116,7 +119,14 @@ def evaluate(
                 }
                 response_tokens += length
             bar.advance(bar_task, len(chunk))
-    seconds = time.perf_counter() - started
+    if distributed.size() > 1:  # every rank's rows and sums: the summary of the whole split
+        for theirs in distributed.gather_objects({i: rows[i] for i in order}):
+            for i, row in theirs.items():
+                rows[i] = row
+        kv_peak, kv_peak_dense = distributed.largest(kv_peak), distributed.largest(kv_peak_dense)
+        response_tokens = int(distributed.total(response_tokens))
+        kept = {key: distributed.total(value) for key, value in sorted(kept.items())}
+    seconds = distributed.largest(time.perf_counter() - started)
     summary = task.metrics([r["completion"] for r in rows], examples)
     summary.update({
         "n": float(len(examples)),
@@ -125,7 +135,7 @@ def evaluate(
         "finished_fraction": sum(r["finished"] for r in rows) / len(examples),
         "seconds": seconds,
         "tokens_per_second": response_tokens / max(seconds, 1e-9),
-        **peak_memory_bytes(device),
+        **{key: distributed.largest(value) for key, value in peak_memory_bytes(device).items()},
         **{key: total / len(examples) for key, total in kept.items()},
     })
     if policy is None:

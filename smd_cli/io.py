@@ -95,12 +95,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows))
 
 
-def write_provenance(run_dir: Path, config: dict, overrides: list[str], repo: Path) -> None:
-    """The resolved config, the overrides, the git commit and package versions of a run."""
+def write_provenance(run_dir: Path, config: dict, overrides: list[str], repo: Path, extra: dict | None = None) -> None:
+    """The resolved config, the overrides, the git commit and package versions of a run (and `extra`: the world size)."""
     write_json(run_dir / "config.json", config)
     write_json(
         run_dir / "provenance.json",
-        {"overrides": overrides, "argv": sys.argv, "git_commit": git_commit(repo), "versions": package_versions()},
+        {"overrides": overrides, "argv": sys.argv, "git_commit": git_commit(repo), "versions": package_versions(), **(extra or {})},
     )
 
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from smd_cli import distributed
+from smd_cli.distributed import LearnerPass
 from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
 from smd_cli.rollout import RolloutBatch
 from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden, vocab_terms
@@ -75,12 +77,32 @@ def _hidden(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bo
     return response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at, algo.replay_backend)
 
 
+def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool, teacher: bool) -> dict[str, torch.Tensor]:
+    """`vocab_terms` of `rows` in the learner's view (dense or the shadow replay), with SMD's dense teacher when
+    `teacher`: everything one micro-batch's loss needs, from one pass of `model`."""
+    dense = None
+    if teacher:  # the replay with gradient, and the dense teacher's response rows without
+        hidden, dense = shadow_and_teacher_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
+                                                  batch.evict_at[rows], algo.replay_backend)
+    else:
+        hidden = _hidden(model, batch, rows, algo, shadow)
+    tokens = batch.input_ids[rows, batch.prompt_length:]
+    return vocab_terms(model.get_output_embeddings(), hidden, tokens, batch.response_mask[rows], algo.temperature, dense, algo.logits_chunk)
+
+
+def _runner(model):
+    """(forward, the model): `forward(fn, *args)` runs `fn(model, *args)`, inside the FSDP2 root's forward when
+    `model` is a `LearnerPass` (sharded weights are gathered for it and their gradients reduced after it)."""
+    if isinstance(model, LearnerPass):
+        return model, model.model
+    return (lambda fn, *args: fn(model, *args)), model
+
+
 @torch.no_grad()
 def _logprobs(model, batch: RolloutBatch, parts: list[slice], algo: Algorithm, shadow: bool) -> torch.Tensor:
     """Token log-probs of the whole batch under `model` without gradient, [N, R], micro-batch by micro-batch."""
-    tokens, mask, head = batch.input_ids[:, batch.prompt_length:], batch.response_mask, model.get_output_embeddings()
-    return torch.cat([vocab_terms(head, _hidden(model, batch, s, algo, shadow), tokens[s], mask[s], algo.temperature,
-                                  chunk=algo.logits_chunk)["logp"] for s in parts])
+    forward, _ = _runner(model)
+    return torch.cat([forward(_scored, batch, s, algo, shadow, False)["logp"] for s in parts])
 
 
 def _corrections(algo: Algorithm, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> tuple:
@@ -103,17 +125,23 @@ def _trainable(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _counts(keep: torch.Tensor) -> tuple[float, float]:
+    """(tokens, sequences) kept in the whole data-parallel batch: the loss normalisers."""
+    return distributed.total(float(keep.sum())), distributed.total(float((keep.sum(1) > 0).sum()))
+
+
 def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None) -> dict[str, float]:
     """Update `model` on `batch` (N sequences) with per-sequence `advantages` [N]; returns metrics.
 
+    `model` may be a `LearnerPass` (FSDP2 over several processes, `smd_cli.distributed`): `batch` is then this
+    rank's share, and every normaliser and metric is the whole batch's, so the update is the one-process one.
     Raises `TrainingDiverged` (without stepping) on a non-finite loss or gradient norm."""
-    P, n = batch.prompt_length, batch.input_ids.shape[0]
-    tokens = batch.input_ids[:, P:]  # [N, R]
+    forward, module = _runner(model)
+    n = batch.input_ids.shape[0]
     mask = batch.response_mask.float()  # [N, R]
     sampler = batch.logprobs.float()  # [N, R]
     parts = _slices(n, algo.micro_batch_size)
     smd = algo.name == "smd"
-    head = model.get_output_embeddings()
     metrics: dict[str, float] = {}
 
     # pi_old is the policy before this step's first update, which is exactly the first pass's own forward:
@@ -132,35 +160,31 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         if ref_model is None:
             raise ValueError("grpo.beta > 0 needs a reference model")
         ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=smd)  # the learner's own view
-    if upfront and keep.sum() == 0:
+    total_tokens, total_seqs = _counts(keep)
+    if upfront and total_tokens == 0:
         return _skipped(metrics, old, sampler, mask)
 
     # Gradients left by earlier code (e.g. the warm start) must not leak in. They are zeroed, not freed: kept
     # from one step to the next, backward adds into them in place (no second copy of the largest tensor).
     optimizer.zero_grad(set_to_none=False)
-    model.train()
+    module.train()
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0
     view_logp, teacher_logp = [], []
-    total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
+    response_tokens, rows = distributed.total(float(mask.sum())), distributed.total(float(n))
     for iteration in range(algo.num_iterations):
         for s in parts:
-            teacher = None
-            if smd and algo.lam > 0:  # the replay with gradient, and the dense teacher's response rows without
-                hidden, teacher = shadow_and_teacher_hidden(model, batch.input_ids[s], batch.attention_mask[s],
-                                                            batch.prompt_length, batch.evict_at[s], algo.replay_backend)
-            else:
-                hidden = _hidden(model, batch, s, algo, shadow=smd)
-            terms = vocab_terms(head, hidden, tokens[s], batch.response_mask[s], algo.temperature, teacher, algo.logits_chunk)
+            distilled = smd and algo.lam > 0
+            terms = forward(_scored, batch, s, algo, smd, distilled)
             logp = terms["logp"]
             if iteration == 0:
                 view_logp.append(logp.detach())
                 if old is None:  # this pass is pi_old; its corrections follow from it
                     weights[s], keep[s], stats = _corrections(algo, view_logp[-1], sampler[s], mask[s])
                     if algo.name == "sparse_rl":  # one micro-batch (s is the whole batch): the normaliser is known only now
-                        total_tokens, total_seqs = float(keep.sum()), float((keep.sum(1) > 0).sum())
+                        total_tokens, total_seqs = _counts(keep)
                         if total_tokens == 0:
-                            model.eval()
+                            module.eval()
                             return _skipped({**metrics, **stats}, view_logp[-1], sampler, mask)
             old_s = old[s] if old is not None else view_logp[-1]
             per_tok, clip = clipped_surrogate(logp, old_s, advantages[s], algo.epsilon, algo.epsilon_high)
@@ -169,14 +193,15 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             if ref_logp is not None:
                 kl_ref = aggregate(k3_kl(logp, ref_logp[s]), keep[s], algo.loss_agg, total_tokens, total_seqs)
                 loss = loss + algo.beta * kl_ref
-            if teacher is not None:
+            if distilled:
                 if iteration == 0:
                     teacher_logp.append(terms["teacher_logp"])
-                distill = aggregate(terms["kl"], mask[s], algo.loss_agg, float(mask.sum()), float(n))
+                distill = aggregate(terms["kl"], mask[s], algo.loss_agg, response_tokens, rows)
                 loss = loss + algo.lam * distill
-            if not torch.isfinite(loss):
+            if distributed.total(float(not torch.isfinite(loss))):  # any rank: every rank stops before backward
                 optimizer.zero_grad(set_to_none=True)
-                raise TrainingDiverged(f"non-finite loss {loss.item()} at iteration {iteration} (policy {policy.item()}, distill {distill.item()})")
+                raise TrainingDiverged(f"non-finite loss {loss.item()} at iteration {iteration} (policy {policy.item()}, distill {distill.item()})"
+                                       if not torch.isfinite(loss) else f"non-finite loss on another rank at iteration {iteration}")
             loss.backward()
             k = keep[s].bool()  # clipping counted at every pass (the first one's ratio is 1 by construction)
             low += float((clip["low"] & k).sum()) / algo.num_iterations
@@ -188,24 +213,26 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         if old is None:  # a dense view whose pi_old was this first pass
             old = torch.cat(view_logp)
             metrics.update(_corrections(algo, old, sampler, mask)[2])  # statistics over the whole batch
-        grad_norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)
-        if not math.isfinite(float(grad_norm)):
+        norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)  # global under FSDP2 (a DTensor)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+        if not math.isfinite(grad_norm):
             optimizer.zero_grad(set_to_none=True)
-            raise TrainingDiverged(f"non-finite gradient norm {float(grad_norm)} at iteration {iteration}")
+            raise TrainingDiverged(f"non-finite gradient norm {grad_norm} at iteration {iteration}")
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    model.eval()
+    module.eval()
 
     # the dense learner's mismatch on these rollouts: SMD's teacher, or the dense view itself
     dense_logp = torch.cat(teacher_logp) if teacher_logp else None if smd else old
     metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
     if dense_logp is not None:
         metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
-    metrics.update(sums)
+    metrics.update({key: distributed.total(value) for key, value in sums.items()})
+    low, high, ent = distributed.total(low), distributed.total(high), distributed.total(ent)
     metrics.update(
         {
-            "grad_norm": float(grad_norm),
-            "entropy": ent / max(float(mask.sum()), 1.0),
+            "grad_norm": grad_norm,
+            "entropy": ent / max(response_tokens, 1.0),
             "clip_ratio/low_mean": low / total_tokens,
             "clip_ratio/high_mean": high / total_tokens,
             "clip_ratio/region_mean": (low + high) / total_tokens,
@@ -213,5 +240,5 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         }
     )
     if algo.beta > 0:
-        metrics["kl"] = sums["loss/kl_ref"]
+        metrics["kl"] = metrics["loss/kl_ref"]
     return metrics

@@ -2,12 +2,16 @@
 
 Shapes: N sequences (prompts x G), R response positions; `mask` [N, R] is 1 on real response tokens.
 Per-token terms are combined by `aggregate`, which also takes the batch-level normaliser so that
-micro-batches add up to exactly the full-batch loss.
+micro-batches add up to exactly the full-batch loss. Batch statistics (Sparse-RL's mean weight, the mismatch
+and importance-weight statistics) are over the whole data-parallel batch when several processes train
+(`smd_cli.distributed.total` / `largest`; plain sums and maxima for one process).
 """
 
 from __future__ import annotations
 
 import torch
+
+from smd_cli.distributed import largest, total
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
@@ -45,17 +49,27 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1
 
 
+def _mean(values: torch.Tensor) -> float:
+    """The mean over every rank's `values` (0 when there are none)."""
+    count = total(float(values.numel()))
+    return total(float(values.double().sum())) / count if count else 0.0
+
+
+def _max(values: torch.Tensor) -> float:
+    return largest(float(values.max()) if values.numel() else float("-inf"))
+
+
 def mismatch_stats(prefix: str, logp: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """How far a learner's log-probs are from the sampler's on real tokens: `{prefix}max_abs_diff`,
     `{prefix}mean_abs_diff` and `{prefix}kl_k3` (k3 estimate of KL(sampler || learner) on the samples)."""
     valid = mask.bool()
-    if not valid.any():
+    if not total(float(valid.sum())):
         return {}
     diff = (logp - sampler)[valid]
     return {
-        f"{prefix}max_abs_diff": float(diff.abs().max()),
-        f"{prefix}mean_abs_diff": float(diff.abs().mean()),
-        f"{prefix}kl_k3": float(k3_kl(sampler[valid], logp[valid]).mean()),
+        f"{prefix}max_abs_diff": _max(diff.abs()),
+        f"{prefix}mean_abs_diff": _mean(diff.abs()),
+        f"{prefix}kl_k3": _mean(k3_kl(sampler[valid], logp[valid])),
     }
 
 
@@ -91,18 +105,18 @@ def sparse_rl_weights(
     valid = mask.bool()
     rho = torch.exp(torch.clamp(logp_dense_old - logp_sparse, -20.0, 20.0))  # [N, R]
     weights = torch.clamp(rho, max=cap)
-    mean_w = weights[valid].mean() if valid.any() else torch.tensor(0.0)
+    mean_w = _mean(weights[valid])
     if mean_w > 1e-8:
         weights = weights / mean_w
     token_ok = (rho >= low) & (rho <= high)
     seq_ok = ~((rho < veto) & valid).any(dim=1)  # [N]
     keep = valid & token_ok & seq_ok[:, None]
-    n_valid = max(int(valid.sum()), 1)
+    n_valid = max(total(float(valid.sum())), 1.0)
     stats = {
-        "is/weight_mean": float(weights[valid].mean()) if valid.any() else 0.0,
-        "is/weight_max": float(weights[valid].max()) if valid.any() else 0.0,
-        "is/rejected_token_frac": float((valid & ~keep).sum()) / n_valid,
-        "is/rejected_seq_frac": float((~seq_ok).sum()) / max(mask.shape[0], 1),
+        "is/weight_mean": _mean(weights[valid]),
+        "is/weight_max": max(_max(weights[valid]), 0.0),
+        "is/rejected_token_frac": total(float((valid & ~keep).sum())) / n_valid,
+        "is/rejected_seq_frac": total(float((~seq_ok).sum())) / max(total(float(mask.shape[0])), 1.0),
     }
     return weights.detach(), keep, stats
 
@@ -113,9 +127,9 @@ def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.
     rho = torch.exp(torch.clamp(logp_old - logp_rollout, -20.0, 20.0))
     weights = torch.clamp(rho, max=cap)
     stats = {
-        "is/weight_mean": float(weights[valid].mean()) if valid.any() else 0.0,
-        "is/weight_max": float(weights[valid].max()) if valid.any() else 0.0,
-        "is/truncated_token_frac": float((rho[valid] > cap).float().mean()) if valid.any() else 0.0,
+        "is/weight_mean": _mean(weights[valid]),
+        "is/weight_max": max(_max(weights[valid]), 0.0),
+        "is/truncated_token_frac": _mean((rho[valid] > cap).float()),
     }
     return weights.detach(), stats
 

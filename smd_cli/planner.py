@@ -22,6 +22,13 @@ Rows that repeat a prompt (GRPO's G samples) compute it once in the prefill and 
 (`smd_cli.scoring.shared_prompt_views`); the plan counts every row's prompt, so for such batches it is an
 upper bound (measured on distinct prompts, where it is tight).
 
+Over several GPUs (`gpus`, torchrun with FSDP2, `smd_cli.distributed`) every figure is per GPU: the rows are
+the GPU's share of the step, the float32 weights (FSDP2's shards are the masters), their gradients and the
+optimizer's state are split over the GPUs, and each phase adds what FSDP2 gathers for it: all the weights in
+the compute dtype for the rollout (which decodes on unsharded weights), and for the learner the root's
+weights (embeddings, final norm, LM head), held for its whole pass, and two decoder layers at a time (the
+one computing and the one prefetched) with one layer's unsharded gradients.
+
 The per-token coefficients of the layer terms count the tensors of transformers' Qwen3 layer that are alive
 at once (read off the profiler's live allocations of `bench/plan_check.py`); `tests/test_planner.py` and
 `bench/plan_check.py` hold every phase to within 15 % of the measured live tensor bytes at several sizes.
@@ -84,6 +91,7 @@ class Run:
     reference: bool = False  # beta > 0: a frozen copy of the policy
     logits_chunk: int | None = None  # tokens per vocabulary chunk (None: 2^23 logits)
     lam: float = 0.1
+    gpus: int = 1  # FSDP2 over this many GPUs; rows, micro_batch and rollout_rows are then per GPU
 
     @property
     def evicting(self) -> bool:
@@ -124,8 +132,11 @@ class Plan:
 
 
 def static_terms(run: Run) -> dict[str, float]:
-    params, b = run.arch.params, run.compute_bytes
+    params, b, g = run.arch.params, run.compute_bytes, run.gpus
     optimizer = 8 * params if run.optimizer == "adamw" else 2 * params + 8 * math.ceil(params / 2048)
+    if g > 1:  # FSDP2: float32 shards (the masters), their gradients and optimizer state, split over the GPUs
+        return {"weights (float32 shards)": 4 * params / g, "master weights": 0.0, "gradients": 4 * params / g,
+                "optimizer state": optimizer / g, "reference policy": b * params if run.reference else 0.0}
     return {
         "weights": b * params,
         "master weights": 4 * params if b < 4 else 0.0,
@@ -133,6 +144,11 @@ def static_terms(run: Run) -> dict[str, float]:
         "optimizer state": float(optimizer),
         "reference policy": b * params if run.reference else 0.0,
     }
+
+
+def layer_params(arch: Arch) -> int:
+    """Parameters of one decoder layer."""
+    return (arch.params - arch.hidden - arch.vocab * arch.hidden * (1 if arch.tied else 2)) // arch.layers
 
 
 def shadow_mask_bytes(run: Run, rows: int) -> float:
@@ -151,9 +167,10 @@ def rollout_terms(run: Run) -> dict[str, float]:
     logits = rows * a.vocab * (b + 3 * 4.0)  # the last position's logits, float32 log_softmax, probabilities
     done = shadow_mask_bytes(run, run.rows - rows)  # chunks decoded before this one wait for the learner
     recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
-    return {"kv cache": kv, "cache bookkeeping": bookkeeping, "shadow masks": recording + done,
+    gathered = float(b * a.params) if run.gpus > 1 else 0.0  # FSDP2: every weight unsharded while decoding
+    return {"gathered weights": gathered, "kv cache": kv, "cache bookkeeping": bookkeeping, "shadow masks": recording + done,
             "prefill activations": prefill, "policy scores": scores, "sampling logits": logits,
-            "peak": kv + bookkeeping + recording + done + max(prefill, logits)}
+            "peak": gathered + kv + bookkeeping + recording + done + max(prefill, logits)}
 
 
 def no_grad_layer(run: Run, rows: int, width: int, extra: float = 0.0) -> float:
@@ -191,7 +208,11 @@ def learner_terms(run: Run) -> dict[str, float]:
     if teacher:  # the teacher's response rows beside the replay, on one layer's prompt keys and values
         tap = 2.0 * n * a.kv_heads * (T - R) * a.head_dim * b
         moments["replay with the teacher"] = checkpoints + tap + teacher + no_grad_layer(run, n, R, extra=n * a.heads * R * T * 4.0)
-    return {"held": held, "checkpointed inputs": checkpoints, "layer recompute": grad_layer, "attention masks": attention,
+    gathered = 0.0
+    if run.gpus > 1:  # FSDP2: the root's weights for the whole pass, two layers unsharded, one layer's gradients
+        gathered = b * (a.params - a.layers * layer_params(a)) + (2 * b + 4.0) * layer_params(a)
+        moments = {k: v + gathered for k, v in moments.items()}
+    return {"held": held, "gathered weights": gathered, "checkpointed inputs": checkpoints, "layer recompute": grad_layer, "attention masks": attention,
             "vocabulary chunk": vocab_chunk, "head gradients": head_grads, "teacher states": teacher,
             **{f"moment: {k}": v for k, v in moments.items()}, "peak": max(moments.values())}
 

@@ -12,8 +12,9 @@ The decode loop reads nothing from the device at a step: entry counts, the cache
 rows' eos state stay on the device, and the host looks at them once every `sync_every` steps (`SYNC_EVERY` on
 an accelerator; every step on the CPU, where a read costs nothing and stopping early saves work). Between
 two looks, rows that have finished keep decoding padding, which changes nothing that is returned: their
-tokens are masked as before, and steps run after every row had finished are cut off again (the batch, its
-statistics and the generator's state are those of a loop that stopped at once). On CUDA the evicting
+tokens are masked as before, and steps run after every row had finished are cut off again (the batch and its
+statistics are those of a loop that stopped at once). Sampling draws all its random numbers before the loop,
+one uniform per row and token (`draw`), so a row's tokens do not depend on the rows decoded beside it. On CUDA the evicting
 rollout's decode step, the same kernels on the same tensors at every step, is captured as a CUDA graph and
 replayed (`compile`, eager fallback with one warning).
 """
@@ -76,18 +77,21 @@ def repeats(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tenso
 SYNC_EVERY = 16  # decode steps between two host reads of the device (all-finished, capacity) on an accelerator
 
 
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of probs [N, V] (non-negative, rows not all zero): exactly `torch.multinomial(probs, 1)`,
-    whose draw without replacement is the exponential race `argmax(p / q), q ~ Exp(1)`, the same random
-    numbers and the same generator state after it, but without its host-side check of `probs` (a read of
-    the device at every token). NaN probabilities show as a NaN log-prob at the drawn token (argmax takes
-    NaN first), which the rollout checks at its periodic synchronisation."""
-    race = torch.empty_like(probs).exponential_(1, generator=generator)
-    return torch.div(probs, race, out=race).argmax(dim=-1)
+def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One index per row of probs [N, V] (non-negative, rows not all zero) by inverting the row's CDF at
+    `uniforms` [N] in [0, 1): the smallest k with u * sum(p) < p_0 + ... + p_k, so a zero-probability token is
+    never drawn. One random number per row and token, whatever the batch: a row's draws depend on its own
+    uniforms only, not on which rows are decoded beside it (chunks, ranks). NaN probabilities show as a NaN
+    log-prob at the drawn token, which the rollout checks at its periodic synchronisation."""
+    cdf = probs.cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
-    """Draw one token per row from logits [N, V]; returns tokens [N] and log_softmax(logits / T) there [N]."""
+def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None):
+    """Draw one token per row from logits [N, V] (`draw` at `uniforms` [N]; greedy needs none); returns tokens [N]
+    and log_softmax(logits / T) there [N]."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -98,8 +102,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps at least the top token
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    tokens = draw(probs, generator)
+    tokens = draw(probs, uniforms)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def sampling_noise(rows: int, max_new_tokens: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The uniforms [rows, max_new_tokens] a rollout samples with, drawn at once from `generator` (on its device;
+    the CPU's default generator when None). Row i's tokens depend only on row i of it."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.rand(rows, max_new_tokens, generator=generator, device=device)
 
 
 def _check(temperature: float, top_p: float, max_new_tokens: int, compile, sync_every) -> None:
@@ -311,15 +322,6 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats)
 
 
-def _sampling_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
-    """The generator `sample` draws from: the given one, else the device's default."""
-    if generator is not None:
-        return generator
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    return torch.default_generator
-
-
 def _use_graphs(compile, device: torch.device, policy, record_visibility: bool) -> bool:
     """Whether to capture the decode step: 'auto' and true on CUDA for an evicting rollout (a fixed-capacity
     cache) without the visibility log; true elsewhere warns and decodes eagerly."""
@@ -340,6 +342,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
     eos_token_id: int,
     pad_token_id: int,
     progress: bool = False,
@@ -355,7 +358,10 @@ def generate(
     dense DynamicCache over the same tokens for `kv/bytes_peak_dense`. `compile` ('auto', true, false):
     capture the evicting decode step as CUDA graphs on CUDA ('auto': whenever possible; never on the CPU).
     `sync_every`: decode steps between host reads of the device (None: 1 on the CPU, `SYNC_EVERY` elsewhere;
-    1 also checks the cache's capacity at every step, for debugging). Neither changes what is returned."""
+    1 also checks the cache's capacity at every step, for debugging). Neither changes what is returned.
+    Sampling reads `noise` [N, >= max_new_tokens] (uniforms, `sampling_noise`), or draws it at once from
+    `generator`: a row's tokens depend on its own noise only, so splitting the rows into chunks or ranks,
+    each with its rows of one noise tensor, samples exactly what one batch would."""
     _check(temperature, top_p, max_new_tokens, compile, sync_every)
     started = time.perf_counter()
     device = next(model.parameters()).device
@@ -364,26 +370,23 @@ def generate(
     if _use_graphs(compile, device, policy, record_visibility):
         run.graphs = DecodeGraphs()
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)
-    # Steps run past the last live one draw random numbers a stopping loop would not: keep the generator's
-    # state before each step since the last look, to rewind it to where that loop would have left it.
-    rng = _sampling_generator(generator, device) if temperature > 0 and sync_every > 1 else None
-    rng_states: dict[int, torch.Tensor] = {}
+    if temperature > 0 and noise is None:
+        noise = sampling_noise(len(prompts), max_new_tokens, generator)
+    if noise is not None:
+        if noise.shape[0] != len(prompts) or noise.shape[1] < max_new_tokens:
+            raise ValueError(f"noise has shape {tuple(noise.shape)}; expected [{len(prompts)}, >= {max_new_tokens}] (rows, new tokens)")
+        noise = noise.to(device)
     bar, task = _progress(progress, max_new_tokens)
     use_smd_attention(model)
     with bar:
         for step in range(max_new_tokens):
-            if rng is not None:
-                rng_states[step] = rng.get_state()
-            tokens, token_logp = sample(run.forward(model, step), temperature, top_p, generator)
+            tokens, token_logp = sample(run.forward(model, step), temperature, top_p, None if noise is None else noise[:, step])
             run.record(step, tokens, token_logp, eos_token_id, pad_token_id, check_nan=temperature > 0)
             bar.advance(task)
             if (step + 1) % sync_every == 0 or step + 1 == max_new_tokens:
                 if run.synchronise():
                     break
-                rng_states.clear()
     steps = run.kept_steps()
-    if rng is not None and steps < run.steps:
-        rng.set_state(rng_states[steps])
     batch = run.batch(model, measure_dense_kv, steps)
     batch.stats["rollout/seconds"] = time.perf_counter() - started
     return batch

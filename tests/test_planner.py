@@ -58,3 +58,24 @@ def test_smd_plan_runs_offline_for_every_paper_recipe(tmp_path, recipe):
     assert out["params"] == QWEN3_4B.params and out["run"]["algo"] == "smd"
     assert set(out["devices"]) == {"80", "141"}
     assert out["peaks"]["step"] == max(out["peaks"]["rollout"], out["peaks"]["learner"]) > out["peaks"]["static"]
+
+
+def test_per_gpu_memory_with_fsdp2_by_hand(tmp_path, capsys):
+    """`plan.gpus=8`: the float32 shards, gradients and AdamW moments split eight ways, all of Qwen3-4B's bf16
+    weights gathered for the rollout, one eighth of the rows (and so of the KV cache) per GPU."""
+    params = QWEN3_4B.params
+    layer = 2560 * 32 * 128 * 2 + 2560 * 8 * 128 * 2 + 2 * 128 + 3 * 2560 * 9728 + 2 * 2560  # q, o; k, v; norms; MLP
+    run = Run(arch=QWEN3_4B, compute_bytes=2, device="cuda", algo="smd", rows=16, micro_batch=4, rollout_rows=16,
+              prompt=1024, response=256, kept=512, cache_growth=255, gpus=8)
+    result = plan(run)
+    assert result.static_bytes == (4 + 4 + 8) * params / 8
+    assert result.rollout["gathered weights"] == 2 * params
+    assert result.learner["gathered weights"] == 2 * (params - 36 * layer) + (2 * 2 + 4) * layer
+    main(["plan", "+recipe=gsm8k", "plan.gpus=8", f"hydra.run.dir={tmp_path}"])
+    out = json.loads((tmp_path / "plan.json").read_text())
+    assert out["run"]["gpus"] == 8 and out["run"]["rows"] == 128 * 8 // 8  # GSM8K: 128 prompts x 8 samples a step
+    assert out["static"]["optimizer state"] == 8 * params / 8
+    with pytest.raises(SystemExit):
+        main(["plan", "plan.gpus=3", f"hydra.run.dir={tmp_path / 'bad'}"])
+    printed = " ".join(capsys.readouterr().err.split())
+    assert "plan.gpus=3 is not allowed: a divisor of grpo.prompts_per_step=16 (each GPU" in printed, printed[-300:]

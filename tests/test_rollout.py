@@ -306,18 +306,53 @@ def test_periodic_host_checks_change_nothing_returned(small_vocab_model, name, t
     assert max(runs[5][2], runs[16][2]) > forwards_every_step  # the periodic loop did decode past the last live step
 
 
-def test_draw_is_torch_multinomial():
-    """`draw` replaces torch.multinomial(probs, 1) (whose checks read the device): same tokens, same generator state."""
+def test_draw_inverts_the_cdf_by_hand():
+    """`draw` picks the smallest k with u * sum(p) < p_0 + ... + p_k: checked against a loop over the tokens,
+    zero-probability tokens (as top-p leaves them) never drawn, u close to 1 included."""
     from smd_cli.rollout import draw
 
     for trial in range(20):
         generator = torch.Generator().manual_seed(trial)
-        probs = torch.softmax(torch.randn(5, 50 + trial, generator=generator) * 4, dim=-1)
-        probs[:, : trial] = 0.0  # zeros, as top-p leaves them
-        ours, theirs = torch.Generator().manual_seed(trial), torch.Generator().manual_seed(trial)
-        for _ in range(3):
-            assert torch.equal(draw(probs, ours), torch.multinomial(probs, 1, generator=theirs).squeeze(-1))
-        assert torch.equal(ours.get_state(), theirs.get_state())
+        probs = torch.softmax(torch.randn(6, 30 + trial, generator=generator) * 3, dim=-1)
+        probs[:, : trial] = 0.0
+        probs[:, -1] = 0.0
+        uniforms = torch.cat([torch.rand(4, generator=generator), torch.tensor([0.0, 1.0 - 2.0**-24])])
+        expected = []
+        for p, u in zip(probs.double().tolist(), uniforms.double().tolist()):
+            target, running = u * sum(p), 0.0
+            k = next(i for i, q in enumerate(p) if (running := running + q) > target and q > 0)
+            expected.append(k)
+        got = draw(probs, uniforms)
+        assert got.tolist() == expected, trial
+        assert bool((probs.gather(1, got[:, None]) > 0).all())
+
+
+def test_draw_frequencies_match_the_probabilities():
+    """Over 200,000 uniforms, each token is drawn with its probability (within 4 standard errors)."""
+    from smd_cli.rollout import draw
+
+    probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    n = 200_000
+    tokens = draw(probs.expand(n, -1), torch.rand(n, generator=torch.Generator().manual_seed(0)))
+    freq = torch.bincount(tokens, minlength=5).double() / n
+    se = (probs.double() * (1 - probs.double()) / n).sqrt()
+    assert freq[1] == 0 and bool(((freq - probs.double()).abs() <= 4 * se + 1e-12).all()), freq
+
+
+def test_rows_sample_the_same_whatever_rows_beside_them(model, prompts):
+    """A row's draws come from its own row of `noise`: the rows decoded in two chunks, each with its rows of one
+    noise tensor, give the tokens of one batch (the property data-parallel rollouts rely on)."""
+    from smd_cli.rollout import sampling_noise
+
+    noise = sampling_noise(len(prompts), 6, torch.Generator().manual_seed(4))
+    kwargs = dict(policy=SnapKV(0.5, sink=2, window=6), max_new_tokens=6, eos_token_id=-1, pad_token_id=0, temperature=1.0)
+    whole = generate(model, prompts, noise=noise, **kwargs)
+    halves = [generate(model, prompts[i : i + 2], noise=noise[i : i + 2], **kwargs) for i in (0, 2)]
+    P = whole.prompt_length
+    for i, half in zip((0, 2), halves):
+        assert torch.equal(half.input_ids[:, half.prompt_length :], whole.input_ids[i : i + 2, P:])
+    with pytest.raises(ValueError, match="noise has shape"):
+        generate(model, prompts, noise=noise[:2], **kwargs)
 
 
 class _TooSmall(SnapKV):

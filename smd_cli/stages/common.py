@@ -23,7 +23,7 @@ from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
-from smd_cli import integrity, models
+from smd_cli import distributed, integrity, models
 from smd_cli.attention import use_smd_attention
 from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
 from smd_cli.warmstart import warm_start
@@ -53,17 +53,26 @@ class Run:
     device: torch.device
 
 
-def start_run(cfg: DictConfig) -> Run:
-    """Seed, pick the device, and write the resolved config, overrides, git commit and versions."""
-    check(isinstance(cfg.seed, int) and cfg.seed >= 0, "seed", cfg.seed, "a non-negative integer")
+def pick_device(cfg: DictConfig) -> torch.device:
+    """The device of `cfg.device` (auto: CUDA when present); under torchrun on CUDA, the local rank's GPU."""
     check(cfg.device in ("auto", "cpu", "cuda"), "device", cfg.device, "auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no CUDA device is available; use device=cpu or device=auto")
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", distributed.local_rank()) if distributed.launched() else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def start_run(cfg: DictConfig) -> Run:
+    """Seed, pick the device, join torchrun's process group when launched by it, and write the resolved config,
+    overrides, git commit, versions and world size (rank 0: every rank uses rank 0's run directory)."""
+    check(isinstance(cfg.seed, int) and cfg.seed >= 0, "seed", cfg.seed, "a non-negative integer")
     threads = cfg.get("threads")
     check(threads is None or (isinstance(threads, int) and threads >= 1), "threads", threads, "null (torch's default) or an integer >= 1")
     if threads:
         torch.set_num_threads(threads)
-    device = torch.device("cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu")
+    device = pick_device(cfg)
+    world = distributed.init(device)
     if cfg.get("run_dir"):  # set by tests and by `smd ablate` for each of its runs
         run_dir, overrides = Path(cfg.run_dir), list(cfg.get("overrides") or [])
     elif HydraConfig.initialized():
@@ -73,9 +82,23 @@ def start_run(cfg: DictConfig) -> Run:
         raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
     if "model" in cfg and "task" in cfg:
         check_context(cfg)
-    lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
-    write_provenance(run_dir, to_dict(cfg), overrides, ROOT)
+    if world.size > 1:
+        run_dir = _main_run_dir(run_dir)
+        console.quiet = not distributed.is_main()  # one console: rank 0's
+    if distributed.is_main():
+        lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
+        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend})
+    distributed.barrier()
     return Run(run_dir, seed_everything(cfg.seed), device)
+
+
+def _main_run_dir(mine: Path) -> Path:
+    """Rank 0's run directory for every rank (Hydra's timestamped default may differ by a second between ranks);
+    a directory Hydra made for this rank alone, holding only its own config and log, is removed."""
+    main = Path(distributed.gather_objects(str(mine))[0])
+    if main != mine and mine.is_dir() and all(p.name in (".hydra", f"{mine.parent.name}.log") or p.suffix == ".log" for p in mine.iterdir()):
+        shutil.rmtree(mine, ignore_errors=True)
+    return main
 
 
 def lock_run_dir(run_dir: Path) -> None:

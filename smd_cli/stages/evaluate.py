@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig
 
-from smd_cli import integrity, models
+from smd_cli import distributed, integrity, models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
@@ -98,9 +98,11 @@ def run(cfg: DictConfig) -> dict:
                     "task": task.name, "split": split, "model": cfg.model.name, "checkpoint": cfg.checkpoint,
                     "eviction": "none" if policy is None else type(policy).__name__,
                     "compression": None if policy is None else float(cfg.compression), "temperature": float(e.temperature)})
-    write_jsonl(run_.dir / "predictions.jsonl", rows)
-    write_json(run_.dir / "summary.json", summary)
-    print_summary(summary, run_.dir)
+    if distributed.is_main():  # under torchrun every rank evaluated a share; rank 0 holds all the rows and writes
+        write_jsonl(run_.dir / "predictions.jsonl", rows)
+        write_json(run_.dir / "summary.json", summary)
+        print_summary(summary, run_.dir)
+    distributed.barrier()
     return summary
 
 

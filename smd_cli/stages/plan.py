@@ -4,7 +4,8 @@ Composes the train config (any override or recipe: `smd plan +recipe=govreport`)
 architecture from the config alone (offline), and prints `smd_cli.planner`'s terms and peaks: static
 (weights, master weights, gradients, optimizer state, reference policy), rollout (KV cache and shadow
 masks, prefill activations, scores, logits) and learner (checkpointed activations, one layer's recompute,
-vocabulary chunk, LM-head gradients). Then, for each of `plan.device_gb`, whether the step fits and the
+vocabulary chunk, LM-head gradients). `plan.gpus=N` plans each of N GPUs under torchrun and FSDP2 (its share
+of the rows, sharded states, what FSDP2 gathers). Then, for each of `plan.device_gb`, whether the step fits and the
 largest `grpo.micro_batch_size` and `sampling.batch_size` that do. Writes `plan.json` to the run directory.
 """
 
@@ -66,17 +67,18 @@ def describe(cfg: DictConfig) -> Run:
     dtype = m.dtype if device == "cuda" else (m.get("cpu_dtype") or m.dtype)
     task = build_task(cfg)
     P, R = prompt_width(cfg, task), int(s.max_new_tokens)
-    rows = g.prompts_per_step * g.num_generations
+    gpus = int(cfg.plan.gpus)
+    rows = g.prompts_per_step // gpus * g.num_generations  # per GPU
     evicting = bool(cfg.algo.evicting)
     policy = build_policy(cfg) if evicting else None
     kept = int(policy.budget(torch.tensor([P]))[0]) if evicting else P
     return Run(
         arch=architecture(cfg), compute_bytes=BYTES[dtype], device=device, algo=cfg.algo.name, rows=rows,
-        micro_batch=g.micro_batch_size or rows, rollout_rows=s.get("batch_size") or rows, prompt=P, response=R, kept=kept,
+        micro_batch=min(g.micro_batch_size or rows, rows), rollout_rows=min(s.get("batch_size") or rows, rows), prompt=P, response=R, kept=kept,
         cache_growth=policy.cache_growth(R - 1) if evicting else 0,
         score_rows=policy.window if isinstance(policy, SnapKV) else 0,
         optimizer="adamw8bit" if str(cfg.optim.get("_target_", "")).startswith("bitsandbytes.") else "adamw",
-        reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"],
+        reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus,
     )
 
 
@@ -86,6 +88,9 @@ def run(cfg: DictConfig) -> dict:
     check(len(p.device_gb) >= 1 and all(v > 0 for v in p.device_gb), "plan.device_gb", list(p.device_gb), "a list of positive sizes in GiB")
     check(0 < p.usable <= 1, "plan.usable", p.usable, "the usable fraction of device memory, in (0, 1]")
     check(p.prompt_tokens is None or p.prompt_tokens >= 1, "plan.prompt_tokens", p.prompt_tokens, "null or >= 1")
+    check(isinstance(p.gpus, int) and p.gpus >= 1, "plan.gpus", p.gpus, "an integer >= 1 (torchrun's --nproc_per_node x --nnodes)")
+    check(cfg.grpo.prompts_per_step % p.gpus == 0, "plan.gpus", p.gpus,
+          f"a divisor of grpo.prompts_per_step={cfg.grpo.prompts_per_step} (each GPU takes an equal share of whole prompt groups)")
     run_ = start_run(cfg)
     step = describe(cfg)
     result = plan(step)
@@ -115,8 +120,8 @@ def print_plan(cfg, step: Run, result, fits: dict) -> None:
     console.print(f"smd plan: model={cfg.model.name} ({a.params / 1e9:.2f} B parameters, {a.layers} layers), algo={step.algo}, "
                   f"device={step.device} ({'bf16' if step.compute_bytes == 2 else 'fp32'} compute), "
                   f"{step.rows} rows x (P {step.prompt} + R {step.response}), micro-batch {step.micro_batch}, "
-                  f"rollout chunk {step.rollout_rows}")
-    table = Table(title="predicted memory (GiB)")
+                  f"rollout chunk {step.rollout_rows}" + (f"; per GPU of {step.gpus} (FSDP2)" if step.gpus > 1 else ""))
+    table = Table(title="predicted memory (GiB)" + (f", per GPU of {step.gpus}" if step.gpus > 1 else ""))
     for column in ("phase", "term", "GiB"):
         table.add_column(column, justify="right" if column == "GiB" else "left")
     for phase, terms in (("static", result.static), ("rollout", result.rollout), ("learner", result.learner)):

@@ -13,6 +13,10 @@ built) and continues in that run directory; `metrics.jsonl` is cut back to that 
 equal an uninterrupted run's. A non-finite loss or gradient, non-finite weights, or `guard.collapse_steps`
 steps without any gradient stop the run (summary status "diverged", the last good checkpoint named); a
 batch left empty by Sparse-RL's rejection is skipped and counted. The run directory is locked for this process.
+
+Under `torchrun` (`smd_cli.distributed`) each rank rolls out its share of the step's prompt groups on gathered
+weights and the learner is sharded with FSDP2; the update, the logged metrics and the checkpoints are those of
+one process with the same config. Rank 0 alone writes the run directory.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from smd_cli import checkpoint as ckpt
+from smd_cli import distributed
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import MetricsLog, write_json
@@ -34,9 +39,10 @@ from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_ste
 from smd_cli.losses import group_advantages
 from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
-from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_examples, load_model, start_run
-from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, stop_diverged
+from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
+from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, console, load_examples, load_model, pick_device,
+                                  start_run)
+from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, save_final, stop_diverged
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
@@ -176,90 +182,125 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
 
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
-    resume_from = find_resume(cfg)  # verified and config-checked before any model is built
+    distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
+    resume_from = distributed.from_main(find_resume, cfg)  # verified and config-checked before any model is built
     run_ = start_run(cfg)
+    main = distributed.is_main()
     run_dir = resume_from.path.parent.parent if resume_from else run_.dir
     task = build_task(cfg)
     policy = rollout_policy(cfg)
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
     eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
-    model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
+    check(cfg.grpo.prompts_per_step % distributed.size() == 0, "grpo.prompts_per_step", cfg.grpo.prompts_per_step,
+          f"a multiple of the {distributed.size()} processes (each rank takes an equal share of whole prompt groups)")
+    model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress and main)
     algo = algorithm(cfg)
     # the initial policy, frozen (also on resume); copied before the optimizer hooks the weights
     ref_model = copy.deepcopy(model).requires_grad_(False).eval() if algo.beta > 0 else None
+    state = rng = None
+    if resume_from is not None:  # the weights before sharding; the optimizer's state once it is built
+        state, rng, optimizer_state = resume(cfg, resume_from, run_.dir, model)
+    root = distributed.shard(model, run_.device, float32_masters(model) if distributed.size() > 1 else None)
+    learner = root or model
     optimizer = build_optimizer(model, lambda params: instantiate(cfg.optim, params=params))
     G = cfg.grpo.num_generations
 
     if resume_from is None:
-        start, rng = 0, None
-        state = {"summary": held_out(model, tokenizer, task, eval_examples, cfg, "before"), "skipped_steps": 0, "seconds": 0.0}
+        start = 0
+        with distributed.gathered(root):
+            state = {"summary": held_out(model, tokenizer, task, eval_examples, cfg, "before"), "skipped_steps": 0, "seconds": 0.0}
         console.print(f"held-out reward before GRPO: {state['summary'].get('eval/reward_before', float('nan')):.4f} "
                       f"({len(eval_examples)} prompts, temperature {cfg.eval.temperature})")
     else:  # the held-out reward before, the skip count and the seconds so far come back with the checkpoint
-        state, rng = resume(cfg, resume_from, run_.dir, model, optimizer)
+        if root is None:
+            optimizer.load_state_dict(optimizer_state)
+        else:
+            distributed.load_full_optimizer_state(root, optimizer, optimizer_state)
         start = resume_from.step
         if policy is not None:
             policy.load_state_dict(state.pop("policy", {}))
     summary = dict(state["summary"])
-    log = MetricsLog(run_dir, truncate_after=start)
-    last = last_logged(log.path)
+    log = MetricsLog(run_dir, truncate_after=start) if main else None
+    last = last_logged(log.path) if main else {}
     mem = PhaseMemory(run_.device)
     guard = CollapseGuard(cfg.guard.collapse_steps, run_dir)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
-    with Progress(*columns, console=console, disable=not cfg.progress) as bar:
+    with Progress(*columns, console=console, disable=not (cfg.progress and main)) as bar:
         job = bar.add_task(f"{algo.name}: rollout", total=cfg.steps, completed=start)
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: rollout")
-            with mem.phase("rollout"):
+            with mem.phase("rollout"), distributed.gathered(root):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
             try:
                 with mem.phase("learner"):
-                    metrics = learner_step(model, optimizer, batch, advantages, algo, ref_model)
+                    metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model)
                 guard.after_step(step + 1, model, metrics)
             except TrainingDiverged as err:
-                log.close()
+                if log is not None:
+                    log.close()
                 stop_diverged(run_dir, step + 1, err, summary, guard.last_good)
             t2 = time.perf_counter()
-            metrics.update({**rollout_metrics(batch, rewards, G, tokenizer.eos_token_id), **mem.take(),
-                            "time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0})
+            slowest = {"time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0, **mem.take()}
+            metrics.update({**rollout_metrics(batch, rewards, G, tokenizer.eos_token_id),
+                            **{k: distributed.largest(v) for k, v in slowest.items()}})  # the slowest rank's, the largest peak
             state["skipped_steps"] += int(metrics["learner/skipped_empty_batch"])
-            log.log(step + 1, metrics)
+            if log is not None:
+                log.log(step + 1, metrics)
             last = metrics
-            state["seconds"] += time.perf_counter() - t0
+            state["seconds"] += distributed.largest(time.perf_counter() - t0)
             if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.steps:
-                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy)
+                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
-    log.close()
-    latest = ckpt.latest_checkpoint(run_dir)
+    if log is not None:
+        log.close()
+    latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
     if latest is None or latest.step != cfg.steps:
-        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy)
-    ckpt.save_final(run_dir, model, tokenizer)
+        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root)
+    save_final(run_dir, model, tokenizer, root)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps, "status": "completed"})
-    summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
+    with distributed.gathered(root):
+        summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})
-    summary.update(run_statistics(log.path))
-    write_json(run_dir / "summary.json", summary)
-    print_summary(summary, run_dir, cfg, eval_policy(cfg))
+    if main:
+        summary.update(run_statistics(log.path))
+        write_json(run_dir / "summary.json", summary)
+        print_summary(summary, run_dir, cfg, eval_policy(cfg))
+    distributed.barrier()
     return summary
 
 
+def float32_masters(model) -> torch.dtype | None:
+    """Make a low-precision model float32 before FSDP2 shards it (its float32 shards are then the master weights)
+    and return the dtype it computed in, FSDP2's compute dtype; None for a float32 model."""
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        return None
+    model.float()
+    return dtype
+
+
 def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool, device) -> tuple:
-    """Step `step`'s rollout, (batch, rewards [N]): its prompts x G samples, from a generator seeded by
-    (seed, step) so that a resumed run draws exactly what an uninterrupted one does."""
+    """Step `step`'s rollout, (batch, rewards [N]): this rank's share of its prompts x G samples (all of them for
+    one process), sampled with this step's noise (seeded by (seed, step), one row per sample of the whole
+    step), so that a resumed run, and a run over any number of processes, draws exactly what an uninterrupted
+    one-process run does."""
     G, s = cfg.grpo.num_generations, cfg.sampling
-    examples = [e for e in prompts_at(task, step, cfg.grpo.prompts_per_step, cfg.seed, pool) for _ in range(G)]
+    everything = prompts_at(task, step, cfg.grpo.prompts_per_step, cfg.seed, pool)
+    share = distributed.rank_slice(len(everything))
+    examples = [e for e in everything[share] for _ in range(G)]
     prompts = [task.encode_prompt(e, tokenizer) for e in examples]
-    generator = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + step)
+    noise = sampling_noise(len(everything) * G, s.max_new_tokens, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
+    noise = noise[share.start * G : share.stop * G]
     chunk = s.batch_size or len(prompts)  # sequences decoded at once: bounds the rollout's KV memory
     batch = concat_rollouts([
         generate(model, prompts[i : i + chunk], policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                 top_p=s.top_p, generator=generator, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                 top_p=s.top_p, noise=noise[i : i + chunk], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                  measure_dense_kv=False, compile=s.get("compile", "auto"))
         for i in range(0, len(prompts), chunk)
     ], tokenizer.pad_token_id)
@@ -269,14 +310,21 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
 
 def rollout_metrics(batch, rewards: torch.Tensor, G: int, eos_token_id: int) -> dict[str, float]:
     """Reward and completion statistics of one step's rollout (TRL names), its `kv/*` numbers and how much
-    answer-bearing KV its eviction kept (`evidence/*`, synthetic tasks)."""
+    answer-bearing KV its eviction kept (`evidence/*`, synthetic tasks), over every rank's share: rewards and
+    lengths gathered, peaks the largest, the rest the mean of the ranks' (equal shares of rows)."""
+    lengths = batch.response_mask.sum(1).float()
+    clipped = (~ended_with_eos(batch, eos_token_id)).float()
+    if distributed.size() > 1:
+        rewards, lengths, clipped = (torch.tensor(sum(distributed.gather_objects(t.tolist()), [])) for t in (rewards, lengths, clipped))
     grouped = rewards.view(-1, G)
+    stats = {k: v for k, v in batch.stats.items() if k.startswith(("kv/", "evidence/"))}
+    stats = {k: distributed.largest(v) if "peak" in k else distributed.total(v) / distributed.size() for k, v in sorted(stats.items())}
     return {
         "reward": float(rewards.mean()), "reward_std": float(rewards.std()),
         "frac_reward_zero_std": float((grouped.std(1) == 0).float().mean()),
-        "completions/mean_length": float(batch.response_mask.sum(1).float().mean()),
-        "completions/clipped_ratio": float((~ended_with_eos(batch, eos_token_id)).float().mean()),
-        **{k: v for k, v in batch.stats.items() if k.startswith(("kv/", "evidence/"))},
+        "completions/mean_length": float(lengths.mean()),
+        "completions/clipped_ratio": float(clipped.mean()),
+        **stats,
     }
 
 

@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from smd_cli import checkpoint as ckpt
+from smd_cli import distributed
 from smd_cli.io import read_jsonl, write_json
 from smd_cli.learner import TrainingDiverged
 from smd_cli.stages.common import ConfigError, console, lock_run_dir, to_dict
@@ -20,11 +21,21 @@ RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "guard"
                     "device", "threads", "log_every", "stage_help")
 
 
-def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, policy=None) -> None:
+def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, policy=None, root=None) -> None:
     """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/global RNGs: plain types,
-    and the eviction policy's own random state (tensors)."""
+    and the eviction policy's own random state (tensors). Sharded (`root`, several processes): every rank
+    gathers the full states, rank 0 writes them in the one-process layout, and a failure stops every rank."""
     extra = {"config": to_dict(cfg), **state, **({"policy": policy.state_dict()} if policy is not None else {})}
-    ckpt.save_checkpoint(run_dir, step, model, optimizer, tokenizer, extra=extra, keep_last=cfg.checkpoint.keep_last)
+    model_state = distributed.full_model_state(root) if root is not None else None
+    optimizer_state = distributed.full_optimizer_state(root, optimizer) if root is not None else None
+    distributed.from_main(ckpt.save_checkpoint, run_dir, step, model, optimizer, tokenizer, extra=extra,
+                          keep_last=cfg.checkpoint.keep_last, model_state=model_state, optimizer_state=optimizer_state)
+
+
+def save_final(run_dir: Path, model, tokenizer, root=None) -> None:
+    """`RUN/final` (rank 0 writes the gathered weights when sharded)."""
+    model_state = distributed.full_model_state(root) if root is not None else None
+    distributed.from_main(ckpt.save_final, run_dir, model, tokenizer, model_state)
 
 
 def planned_run_dir(cfg: DictConfig) -> Path | None:
@@ -94,11 +105,13 @@ def _described(corrupt: list) -> str:
     return "; ".join(f"{bad.path.name}: {problems[0]}" for bad, problems in corrupt) or "none is complete"
 
 
-def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model, optimizer) -> tuple[dict, dict]:
-    """Restore `checkpoint` (from `find_resume`): (the trainer's extra state, RNG states)."""
-    extra, rng = ckpt.resume_run(checkpoint, model, optimizer, bool(cfg.model.trust_remote_code), launched_in)
+def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model) -> tuple[dict, dict, dict]:
+    """Restore `checkpoint`'s weights (from `find_resume`): (the trainer's extra state, RNG states, the optimizer's
+    state dict). Every rank reads the same files; rank 0 records the resumption."""
+    extra, rng, optimizer_state = ckpt.resume_run(checkpoint, model, bool(cfg.model.trust_remote_code),
+                                                  launched_in if distributed.is_main() else None)
     console.print(f"resuming {checkpoint.path.parent.parent} from {checkpoint.path.name}")
-    return extra, rng
+    return extra, rng, optimizer_state
 
 
 def last_logged(path: Path) -> dict:
@@ -117,8 +130,9 @@ class CollapseGuard:
         self.steps, self.run_dir, self.streak, self.last_good = steps, run_dir, 0, None
 
     def after_step(self, step: int, model, metrics: dict) -> None:
-        """Check step `step` (1-based) after its update; TrainingDiverged to stop."""
-        if not bool(torch.stack([torch.isfinite(p).all() for p in model.parameters()]).all()):
+        """Check step `step` (1-based) after its update; TrainingDiverged to stop (every rank at once)."""
+        finite = bool(torch.stack([torch.isfinite(distributed.local(p)).all() for p in model.parameters()]).all())
+        if distributed.total(float(not finite)):
             self.last_good = step - 1
             raise TrainingDiverged("the weights are non-finite after the optimizer step")
         self.streak = self.streak + 1 if metrics.get("grad_norm") == 0 else 0
@@ -136,6 +150,7 @@ def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict
     kept = str(latest.path) if latest else "none (no checkpoint had been written yet)"
     message = f"training diverged at step {step}: {err}; stopped. Last good checkpoint: {kept}"
     summary.update({"status": "diverged", "diverged_at_step": step, "error": str(err), "last_checkpoint": latest and str(latest.path)})
-    write_json(run_dir / "summary.json", summary)
+    if distributed.is_main():
+        write_json(run_dir / "summary.json", summary)
     console.print(f"[red]{message}[/red]")
     raise TrainingDiverged(message) from err

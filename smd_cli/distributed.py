@@ -1,0 +1,251 @@
+"""Data parallelism over `torchrun`'s processes: the process group, reductions, FSDP2 sharding, full state dicts.
+
+One process is the default and everything here is then a no-op: `size() == 1`, reductions return their input,
+`shard` returns the model as it is. Under `torchrun` (WORLD_SIZE > 1 in the environment) `init` joins the
+process group (NCCL on CUDA, one device per local rank; gloo on the CPU), and a training step's prompt groups
+are split across ranks in whole groups (`rank_slice`): each rank rolls out its groups and records their shadow
+masks, and the learner is sharded with FSDP2 (`fully_shard` on every decoder layer and on a root `LearnerPass`
+that runs the learner's whole forward, so that the embeddings, the final norm and the LM head, which the
+learner reads outside the decoder layers, are gathered for it and their gradients reduced after it).
+
+Every quantity the learner normalises by or logs is global: token and sequence counts, Sparse-RL's mean
+weight, the mismatch statistics (`total`, `largest`), so that N processes compute the loss and the metrics
+of the one-process batch. The gradient is the sum of the ranks' (FSDP's averaging is undone by the divide
+factor 1). Rollouts run on unsharded weights (`gathered`): ranks decode different numbers of steps, so no
+collective may run per forward.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    backend: str | None = None  # None: one process, no process group
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or another launcher) as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(device: torch.device) -> World:
+    """Join the process group torchrun describes in the environment (idempotent); World() for one process.
+
+    On CUDA each process takes the device of its local rank and NCCL; on the CPU, gloo."""
+    if not launched():
+        return World()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(local_rank())
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    return world()
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world() -> World:
+    if not (dist.is_available() and dist.is_initialized()):
+        return World()
+    return World(dist.get_rank(), dist.get_world_size(), local_rank(), dist.get_backend())
+
+
+def size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def _all_reduced(value, op):
+    """`value` (a number or tensor) reduced over the ranks with `op`, in float64, returned as it came."""
+    if size() == 1:
+        return value
+    tensor = torch.as_tensor(value.detach() if isinstance(value, torch.Tensor) else value, dtype=torch.float64).clone()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    moved = tensor.to(device)
+    dist.all_reduce(moved, op=op)
+    if isinstance(value, torch.Tensor):
+        return moved.to(dtype=value.dtype, device=value.device)
+    return float(moved) if moved.dim() == 0 else moved.cpu()
+
+
+def total(value):
+    """The sum over ranks of a number or tensor (the value itself for one process)."""
+    return _all_reduced(value, dist.ReduceOp.SUM)
+
+
+def largest(value):
+    """The maximum over ranks (as `total`)."""
+    return _all_reduced(value, dist.ReduceOp.MAX)
+
+
+def gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order ([obj] for one process)."""
+    if size() == 1:
+        return [obj]
+    out = [None] * size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def from_main(fn, *args, **kwargs):
+    """Run `fn` on rank 0 only and hand its result (or its exception, raised everywhere) to every rank: file
+    work that must happen once (locking, verifying and moving checkpoints)."""
+    if size() == 1:
+        return fn(*args, **kwargs)
+    box = [None]
+    if is_main():
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except Exception as err:  # every rank stops with the same error, instead of waiting for rank 0
+            box[0] = ("error", err)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def barrier() -> None:
+    if size() > 1:
+        dist.barrier()
+
+
+def rank_slice(count: int, what: str = "grpo.prompts_per_step") -> slice:
+    """This rank's contiguous share of `count` items (prompt groups, test examples): equal shares, in order."""
+    n = size()
+    if count % n:
+        raise ValueError(f"{what}={count} is not divisible by the {n} processes: each rank takes an equal share of whole prompt groups")
+    share = count // n
+    return slice(rank() * share, (rank() + 1) * share)
+
+
+class LearnerPass(torch.nn.Module):
+    """The FSDP2 root: `forward(fn, *args)` returns `fn(model, *args)`, so the learner's whole pass (embeddings,
+    decoder layers, final norm, LM head over the vocabulary in chunks) runs inside one root forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args, **kwargs):
+        out = fn(self.model, *args, **kwargs)
+        # views are cloned (small [N, R] tensors): FSDP's pre-backward hook on a view would not survive an in-place op
+        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, out)
+
+
+def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype | None = None) -> LearnerPass | None:
+    """Shard `model` in place with FSDP2 over all ranks (None for one process): every decoder layer, then a
+    `LearnerPass` root over it. `param_dtype` computes in that dtype over float32 weights, gradients reduced
+    in float32 (FSDP's MixedPrecisionPolicy)."""
+    if size() == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
+    for layer in model.base_model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    root = fully_shard(LearnerPass(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in _fsdp_modules(root):
+        module.set_gradient_divide_factor(1.0)  # each rank's loss carries the global normalisers: sum the gradients
+        module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
+    root(lambda m: None)  # the root's lazy initialisation, before any layer runs on its own in a rollout
+    _resharded(root)  # the sharded parameters registered again: the optimizer is built on them
+    return root
+
+
+def _fsdp_modules(root) -> list:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+
+@contextmanager
+def gathered(root: LearnerPass | None):
+    """Full weights on every rank for the duration (rollouts, evaluation): ranks decode different numbers of
+    steps, so no forward may all-gather; resharded afterwards."""
+    if root is None:
+        yield
+        return
+    modules = _fsdp_modules(root)
+    for module in modules:
+        module.set_reshard_after_forward(False, recurse=False)
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.reshard()
+            module.set_reshard_after_forward(module is not root, recurse=False)
+
+
+def _resharded(root) -> None:
+    """Every FSDP module's sharded parameters registered (the root keeps its gathered ones after a forward)."""
+    for module in _fsdp_modules(root):
+        module.reshard()
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def full_model_state(root: LearnerPass) -> dict[str, torch.Tensor]:
+    """The wrapped model's full state dict on rank 0's CPU (empty on the other ranks), named as the model's own
+    `state_dict()`. Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    _resharded(root)
+    state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    own = {name for name, _ in root.named_parameters()} | {name for name, _ in root.named_buffers()}  # a tied weight once
+    return {name.removeprefix("model."): value for name, value in state.items() if name in own}
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """The optimizer's full state in the one-process layout (`optimizer.state_dict()`: parameters numbered in
+    the order of `model.parameters()`), so that a checkpoint does not depend on the number of processes. On rank
+    0 (empty on the others); collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    _resharded(model)
+    named = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not named:  # the full state lives on rank 0, the one that writes it
+        return {}
+    index = {name: i for i, (name, _) in enumerate(_trainable_names(model))}
+    return {"state": {index[name]: value for name, value in named["state"].items()},
+            "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in named["param_groups"]]}
+
+
+def load_full_optimizer_state(model, optimizer, state: dict) -> None:
+    """Load a one-process optimizer state dict (`full_optimizer_state`'s layout) into a sharded optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [name for name, _ in _trainable_names(model)]
+    named = {"state": {names[i]: value for i, value in state["state"].items()},
+             "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+
+
+def _trainable_names(model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]

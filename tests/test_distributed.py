@@ -1,0 +1,142 @@
+"""`torchrun --nproc_per_node=2 smd train` (FSDP2 over gloo on the CPU) trains what one process trains: the same
+final weights (float32, within 1e-5) and the same logged rewards, for SMD and dense GRPO; a 2-process run killed
+after its step-2 checkpoint resumes to the same weights, on 2 processes or on 1. Every run goes through the CLI,
+the entry point a user runs, as a subprocess."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+BIN = Path(sys.executable).parent
+SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=4", "task.prompt_tokens=48", "model.warmstart.steps=150",
+         "eval.num_prompts=6", "eval.batch_size=4", "progress=false", "device=cpu"]
+ALGOS = {"smd": ["algo=smd", "eviction=snapkv", "compression=0.5"], "dense": ["algo=dense", "eviction=none"]}
+LOGGED_EXACTLY = ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")  # one warm start for every run of the module
+
+
+@pytest.fixture(scope="module")
+def one_process_smd(tmp_path_factory, cache):
+    """The reference: one process, SMD, 3 steps."""
+    run_dir = tmp_path_factory.mktemp("reference") / "one"
+    train(1, run_dir, cache, *ALGOS["smd"], "steps=3")
+    return run_dir
+
+
+def command(processes: int, run_dir: Path, cache: Path, *overrides) -> list[str]:
+    smd = [str(BIN / "smd"), "train", *SMALL, *overrides, f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+    if processes == 1:
+        return smd
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={processes}", "--no-python", *smd]
+
+
+def environment() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def train(processes: int, run_dir: Path, cache: Path, *overrides) -> None:
+    done = subprocess.run(command(processes, run_dir, cache, *overrides), env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def kill_every_process_of(run_dir: Path) -> None:
+    """SIGKILL every process whose command line names `run_dir`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and f"hydra.run.dir={run_dir}".encode() in (proc / "cmdline").read_bytes():
+                os.kill(int(proc.name), signal.SIGKILL)
+        except (OSError, ProcessLookupError):
+            pass
+    time.sleep(0.5)  # the kernel reaps them; nothing of theirs writes after this
+
+
+def weight_difference(a: Path, b: Path) -> float:
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert set(wa) == set(wb)
+    return max(float((wa[k] - wb[k]).abs().max()) for k in wa)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(one: Path, two: Path) -> None:
+    assert weight_difference(one / "final", two / "final") <= 1e-5
+    a, b = rows(one), rows(two)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]  # rank 0 alone wrote the log
+    for x, y in zip(a, b):
+        assert {k: x[k] for k in LOGGED_EXACTLY} == {k: y[k] for k in LOGGED_EXACTLY}  # the same samples
+        for key in ("loss", "grad_norm", "entropy", "mismatch/max_abs_diff", "clip_ratio/region_mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    assert any(r["reward"] > 0 for r in a)  # a run that learns something, not all-zero rewards
+
+
+@pytest.mark.parametrize("algo", ["smd", "dense"])
+def test_two_processes_train_what_one_trains(tmp_path, cache, one_process_smd, algo):
+    one = one_process_smd
+    if algo != "smd":
+        one = tmp_path / "one"
+        train(1, one, cache, *ALGOS[algo], "steps=3")
+    two = tmp_path / "two"
+    train(2, two, cache, *ALGOS[algo], "steps=3")
+    assert_same_training(one, two)
+    provenance = json.loads((two / "provenance.json").read_text())
+    assert (provenance["world_size"], provenance["backend"]) == (2, "gloo")
+    assert json.loads((one / "provenance.json").read_text())["world_size"] == 1
+    one, two = (json.loads((d / "summary.json").read_text()) for d in (one, two))
+    assert two["eval/greedy_reward_after"] == one["eval/greedy_reward_after"]  # the held-out split, evaluated by both ranks
+    assert two["eval/reward_after"] == one["eval/reward_after"]
+
+
+def test_a_two_process_run_killed_after_step_2_resumes_on_two_or_one(tmp_path, cache, one_process_smd):
+    reference, killed = one_process_smd, tmp_path / "killed"
+    overrides = (*ALGOS["smd"], "steps=3", "checkpoint.every=2")
+    launcher = subprocess.Popen(command(2, killed, cache, *overrides), env=environment(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    step_2 = killed / "checkpoints" / "step_000002" / "MANIFEST.json"
+    deadline = time.monotonic() + 300
+    while not step_2.exists() and launcher.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    kill_every_process_of(killed)  # the launcher and both ranks (torchrun starts them in sessions of their own), mid step 3
+    launcher.wait()
+    assert step_2.exists() and not (killed / "final").exists()
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_000002"]
+
+    on_one = tmp_path / "on_one"
+    shutil.copytree(killed, on_one)
+    train(2, killed, cache, *overrides, "resume=true")
+    assert_same_training(reference, killed)
+    train(1, on_one, cache, *overrides, "resume=true")  # a checkpoint written by 2 processes, resumed by 1
+    assert_same_training(reference, on_one)
+    assert json.loads((killed / "resumes.jsonl").read_text().splitlines()[0])["from_step"] == 2
+
+
+def test_two_processes_evaluate_what_one_evaluates(tmp_path, cache):
+    """`torchrun --nproc_per_node=2 smd eval`, sampled under SnapKV: each rank decodes half the examples, rank 0
+    writes every prediction, the same completions and summary as one process."""
+    runs = {}
+    for processes in (1, 2):
+        run_dir = tmp_path / str(processes)
+        smd = [str(BIN / "smd"), "eval", "task=vote", "task.prompt_tokens=48", "model.warmstart.steps=150", "eval.limit=10",
+               "eval.batch_size=3", "eval.temperature=1.0", "eviction=snapkv", "progress=false", "device=cpu",
+               f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+        launch = smd if processes == 1 else [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", *smd]
+        done = subprocess.run(launch, env=environment(), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs[processes] = ([json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()],
+                           json.loads((run_dir / "summary.json").read_text()))
+    (one, one_summary), (two, two_summary) = runs[1], runs[2]
+    assert len(two) == 10 and [r["completion"] for r in two] == [r["completion"] for r in one]
+    assert two_summary["reward"] == one_summary["reward"] and two_summary["evidence/kept"] == pytest.approx(one_summary["evidence/kept"])
