@@ -163,7 +163,9 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (size(),))
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype is not None else MixedPrecisionPolicy()
+    # forward inputs are left alone: they are already in the compute dtype (the embedding's output), and the smd
+    # attention's arguments (`RolloutState`, `PromptTap`, `Replay`) must reach it as they are, not copied by a cast
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False)
     for layer in model.base_model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     root = fully_shard(LearnerPass(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)

@@ -140,3 +140,17 @@ def test_two_processes_evaluate_what_one_evaluates(tmp_path, cache):
     (one, one_summary), (two, two_summary) = runs[1], runs[2]
     assert len(two) == 10 and [r["completion"] for r in two] == [r["completion"] for r in one]
     assert two_summary["reward"] == one_summary["reward"] and two_summary["evidence/kept"] == pytest.approx(one_summary["evidence/kept"])
+
+
+def test_bfloat16_compute_over_float32_shards(tmp_path, cache):
+    """`model.dtype=bfloat16` on 2 processes: FSDP2 computes in bf16 over float32 shards (the masters; a single
+    process keeps float32 masters beside bf16 weights instead). The first step, from the same bf16 weights, logs
+    what one process logs, parity included; the checkpoint holds the float32 masters."""
+    bf16 = (*ALGOS["smd"], "steps=2", "model.dtype=bfloat16")
+    train(1, tmp_path / "one", cache, *bf16)
+    train(2, tmp_path / "two", cache, *bf16)
+    one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
+    for key in (*LOGGED_EXACTLY, "mismatch/max_abs_diff", "loss"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-3, abs=1e-6), key
+    assert max(r["mismatch/max_abs_diff"] for r in two) < 2e-3  # bf16 parity: the same weights in both views
+    assert json.loads((tmp_path / "two" / "final" / "config.json").read_text())["dtype"] == "float32"
