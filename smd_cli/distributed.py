@@ -169,6 +169,7 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     for layer in model.base_model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     root = fully_shard(LearnerPass(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    root.compute_dtype = param_dtype  # None: float32 compute
     for module in _fsdp_modules(root):
         module.set_gradient_divide_factor(1.0)  # each rank's loss carries the global normalisers: sum the gradients
         module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
@@ -224,29 +225,46 @@ def full_model_state(root: LearnerPass) -> dict[str, torch.Tensor]:
     return {name.removeprefix("model."): value for name, value in state.items() if name in own}
 
 
-def full_optimizer_state(model, optimizer) -> dict:
-    """The optimizer's full state in the one-process layout (`optimizer.state_dict()`: parameters numbered in
-    the order of `model.parameters()`), so that a checkpoint does not depend on the number of processes. On rank
-    0 (empty on the others); collective."""
+def full_states(root: LearnerPass, optimizer) -> tuple[dict, dict]:
+    """(model weights, optimizer state) gathered on rank 0 in a one-process run's checkpoint layout (empty dicts on
+    the other ranks; collective): the optimizer's parameters numbered in the order of `model.parameters()`, and
+    for bf16 compute the weights in bf16 with the float32 shards as `MasterWeights`' masters beside the optimizer
+    state, so that any number of processes resumes the checkpoint."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    _resharded(model)
-    named = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if not named:  # the full state lives on rank 0, the one that writes it
-        return {}
-    index = {name: i for i, (name, _) in enumerate(_trainable_names(model))}
-    return {"state": {index[name]: value for name, value in named["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in named["param_groups"]]}
+    weights = full_model_state(root)
+    named = get_optimizer_state_dict(root, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not named:  # the full states live on rank 0, the one that writes them
+        return {}, {}
+    names = [name for name, _ in _trainable_names(root)]
+    index = {name: i for i, name in enumerate(names)}
+    state = {"state": {index[name]: value for name, value in named["state"].items()},
+             "param_groups": [{**group, "params": [index[name] for name in group["params"]]} for group in named["param_groups"]]}
+    if root.compute_dtype is None:
+        return weights, state
+    masters = [weights[name.removeprefix("model.")] for name in names]
+    return in_compute_dtype(root, weights), {"optimizer": state, "masters": masters}
 
 
-def load_full_optimizer_state(model, optimizer, state: dict) -> None:
-    """Load a one-process optimizer state dict (`full_optimizer_state`'s layout) into a sharded optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+def in_compute_dtype(root: LearnerPass, weights: dict) -> dict:
+    """Full float32 weights as a one-process run saves them: in the compute dtype (bf16 compute), else as they are."""
+    if root.compute_dtype is None:
+        return weights
+    return {k: v.to(root.compute_dtype) if v.is_floating_point() else v for k, v in weights.items()}
 
-    names = [name for name, _ in _trainable_names(model)]
+
+def load_full_states(root: LearnerPass, optimizer, state: dict) -> None:
+    """Load a one-process checkpoint's optimizer state (`full_states`' layout; with float32 masters, those
+    into the shards first) into a sharded model and optimizer. Every rank passes the same `state`."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    names = [name for name, _ in _trainable_names(root)]
+    if "masters" in state:
+        set_model_state_dict(root, dict(zip(names, state["masters"])), options=StateDictOptions(full_state_dict=True, strict=False))
+        state = state["optimizer"]
     named = {"state": {names[i]: value for i, value in state["state"].items()},
              "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in state["param_groups"]]}
-    set_optimizer_state_dict(model, optimizer, named, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(root, optimizer, named, options=StateDictOptions(full_state_dict=True))
 
 
 def _trainable_names(model) -> list[tuple[str, torch.nn.Parameter]]:

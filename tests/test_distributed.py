@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 BIN = Path(sys.executable).parent
@@ -143,14 +144,24 @@ def test_two_processes_evaluate_what_one_evaluates(tmp_path, cache):
 
 
 def test_bfloat16_compute_over_float32_shards(tmp_path, cache):
-    """`model.dtype=bfloat16` on 2 processes: FSDP2 computes in bf16 over float32 shards (the masters; a single
-    process keeps float32 masters beside bf16 weights instead). The first step, from the same bf16 weights, logs
-    what one process logs, parity included; the checkpoint holds the float32 masters."""
-    bf16 = (*ALGOS["smd"], "steps=2", "model.dtype=bfloat16")
-    train(1, tmp_path / "one", cache, *bf16)
-    train(2, tmp_path / "two", cache, *bf16)
+    """`model.dtype=bfloat16` on 2 processes: FSDP2 computes in bf16 over float32 shards, the masters (a single
+    process keeps float32 masters beside bf16 weights). The first step, from the same bf16 weights, logs what one
+    process logs, parity included; its checkpoint has a one-process run's layout (bf16 weights, float32 masters
+    in the optimizer state), which one process resumes to exactly the saved weights."""
+    bf16 = (*ALGOS["smd"], "model.dtype=bfloat16")
+    train(1, tmp_path / "one", cache, *bf16, "steps=2")
+    train(2, tmp_path / "two", cache, *bf16, "steps=2", "checkpoint.every=1")
     one, two = rows(tmp_path / "one"), rows(tmp_path / "two")
     for key in (*LOGGED_EXACTLY, "mismatch/max_abs_diff", "loss"):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-3, abs=1e-6), key
     assert max(r["mismatch/max_abs_diff"] for r in two) < 2e-3  # bf16 parity: the same weights in both views
-    assert json.loads((tmp_path / "two" / "final" / "config.json").read_text())["dtype"] == "float32"
+    assert {t.dtype for t in load_file(tmp_path / "two" / "final" / "model.safetensors").values()} == {torch.bfloat16}
+    step_1 = tmp_path / "two" / "checkpoints" / "step_000001"
+    masters = torch.load(step_1 / "trainer_state.pt", weights_only=True)["optimizer"]["masters"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(step_1, resumed / "checkpoints" / step_1.name)
+    shutil.copy(tmp_path / "two" / "config.json", resumed / "config.json")
+    train(1, resumed, cache, *bf16, "steps=1", "checkpoint.every=1", "resume=true")  # nothing left to run: restore, save
+    assert weight_difference(step_1 / "model", resumed / "final") == 0.0

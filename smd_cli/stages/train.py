@@ -215,7 +215,7 @@ def run(cfg: DictConfig) -> dict:
         if root is None:
             optimizer.load_state_dict(optimizer_state)
         else:
-            distributed.load_full_optimizer_state(root, optimizer, optimizer_state)
+            distributed.load_full_states(root, optimizer, optimizer_state)
         start = resume_from.step
         if policy is not None:
             policy.load_state_dict(state.pop("policy", {}))

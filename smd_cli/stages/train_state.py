@@ -26,15 +26,14 @@ def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer,
     and the eviction policy's own random state (tensors). Sharded (`root`, several processes): every rank
     gathers the full states, rank 0 writes them in the one-process layout, and a failure stops every rank."""
     extra = {"config": to_dict(cfg), **state, **({"policy": policy.state_dict()} if policy is not None else {})}
-    model_state = distributed.full_model_state(root) if root is not None else None
-    optimizer_state = distributed.full_optimizer_state(root, optimizer) if root is not None else None
+    model_state, optimizer_state = distributed.full_states(root, optimizer) if root is not None else (None, None)
     distributed.from_main(ckpt.save_checkpoint, run_dir, step, model, optimizer, tokenizer, extra=extra,
                           keep_last=cfg.checkpoint.keep_last, model_state=model_state, optimizer_state=optimizer_state)
 
 
 def save_final(run_dir: Path, model, tokenizer, root=None) -> None:
     """`RUN/final` (rank 0 writes the gathered weights when sharded)."""
-    model_state = distributed.full_model_state(root) if root is not None else None
+    model_state = distributed.in_compute_dtype(root, distributed.full_model_state(root)) if root is not None else None
     distributed.from_main(ckpt.save_final, run_dir, model, tokenizer, model_state)
 
 
