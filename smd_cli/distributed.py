@@ -130,11 +130,11 @@ def barrier() -> None:
         dist.barrier()
 
 
-def rank_slice(count: int, what: str = "grpo.prompts_per_step") -> slice:
-    """This rank's contiguous share of `count` items (prompt groups, test examples): equal shares, in order."""
+def rank_slice(count: int) -> slice:
+    """This rank's contiguous share of a step's `count` prompt groups: equal shares, in order."""
     n = size()
     if count % n:
-        raise ValueError(f"{what}={count} is not divisible by the {n} processes: each rank takes an equal share of whole prompt groups")
+        raise ValueError(f"{count} prompt groups are not divisible by the {n} processes: each rank takes an equal share")
     share = count // n
     return slice(rank() * share, (rank() + 1) * share)
 
@@ -198,8 +198,8 @@ def gathered(root: LearnerPass | None):
     try:
         yield
     finally:
+        _resharded(root)
         for module in modules:
-            module.reshard()
             module.set_reshard_after_forward(module is not root, recurse=False)
 
 
