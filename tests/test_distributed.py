@@ -1,7 +1,8 @@
 """`torchrun --nproc_per_node=2 smd train` (FSDP2 over gloo on the CPU) trains what one process trains: the same
 final weights (float32, within 1e-5) and the same logged rewards, for SMD and dense GRPO; a 2-process run killed
-after its step-2 checkpoint resumes to the same weights, on 2 processes or on 1. Every run goes through the CLI,
-the entry point a user runs, as a subprocess."""
+after its step-2 checkpoint resumes to the same weights, on 2 processes or on 1; `smd eval` on 2 processes gives
+one process's predictions; bf16 compute over float32 shards keeps a one-process checkpoint layout. Every run goes
+through the CLI, the entry point a user runs, as a subprocess."""
 
 import json
 import os
@@ -36,11 +37,16 @@ def one_process_smd(tmp_path_factory, cache):
     return run_dir
 
 
-def command(processes: int, run_dir: Path, cache: Path, *overrides) -> list[str]:
-    smd = [str(BIN / "smd"), "train", *SMALL, *overrides, f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
+def launched(processes: int, *smd_args) -> list[str]:
+    """`smd ARGS`, under `torchrun --standalone --nproc_per_node=N --no-python` for N > 1."""
+    smd = [str(BIN / "smd"), *smd_args]
     if processes == 1:
         return smd
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={processes}", "--no-python", *smd]
+
+
+def command(processes: int, run_dir: Path, cache: Path, *overrides) -> list[str]:
+    return launched(processes, "train", *SMALL, *overrides, f"cache_dir={cache}", f"hydra.run.dir={run_dir}")
 
 
 def environment() -> dict:
@@ -130,10 +136,9 @@ def test_two_processes_evaluate_what_one_evaluates(tmp_path, cache):
     runs = {}
     for processes in (1, 2):
         run_dir = tmp_path / str(processes)
-        smd = [str(BIN / "smd"), "eval", "task=vote", "task.prompt_tokens=48", "model.warmstart.steps=150", "eval.limit=10",
-               "eval.batch_size=3", "eval.temperature=1.0", "eviction=snapkv", "progress=false", "device=cpu",
-               f"cache_dir={cache}", f"hydra.run.dir={run_dir}"]
-        launch = smd if processes == 1 else [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", *smd]
+        launch = launched(processes, "eval", "task=vote", "task.prompt_tokens=48", "model.warmstart.steps=150", "eval.limit=10",
+                          "eval.batch_size=3", "eval.temperature=1.0", "eviction=snapkv", "progress=false", "device=cpu",
+                          f"cache_dir={cache}", f"hydra.run.dir={run_dir}")
         done = subprocess.run(launch, env=environment(), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         runs[processes] = ([json.loads(line) for line in (run_dir / "predictions.jsonl").read_text().splitlines()],
