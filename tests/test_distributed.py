@@ -130,11 +130,14 @@ def test_a_two_process_run_killed_after_step_2_resumes_on_two_or_one(tmp_path, c
     assert json.loads((killed / "resumes.jsonl").read_text().splitlines()[0])["from_step"] == 2
 
 
-def test_two_processes_evaluate_what_one_evaluates(tmp_path, cache):
+def test_two_processes_evaluate_what_one_evaluates(tmp_path):
     """`torchrun --nproc_per_node=2 smd eval`, sampled under SnapKV: each rank decodes half the examples, rank 0
-    writes every prediction, the same completions and summary as one process."""
+    writes every prediction, the same completions and summary as one process. The 2-process run comes first, on
+    an empty cache: rank 0 trains and publishes the warm start, which every rank then loads (transformers writes
+    no weights from another rank)."""
+    cache = tmp_path / "cache"
     runs = {}
-    for processes in (1, 2):
+    for processes in (2, 1):
         run_dir = tmp_path / str(processes)
         launch = launched(processes, "eval", "task=vote", "task.prompt_tokens=48", "model.warmstart.steps=150", "eval.limit=10",
                           "eval.batch_size=3", "eval.temperature=1.0", "eviction=snapkv", "progress=false", "device=cpu",

@@ -226,11 +226,25 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
 
 
 def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
-    """The tiny model after the supervised warm start on `task`, trained once and cached by config hash."""
+    """The tiny model after the supervised warm start on `task`, trained once and cached by config hash. Under
+    torchrun, rank 0 trains (or verifies) the cached copy and every rank loads it (transformers' save_pretrained
+    writes no weights on the other ranks)."""
     # Keyed by what decides the weights (not by kernels or checkpointing, which change no number).
     weights = {k: v for k, v in to_dict(cfg.model).items() if k in ("config", "dtype", "warmstart", "tokenizer")}
     key = json.dumps({"model": weights, "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if distributed.size() == 1:
+        return _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
+
+    def on_rank_0() -> None:
+        _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
+
+    distributed.from_main(on_rank_0)
+    return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
+
+
+def _cached_warm_start(cfg: DictConfig, model, tokenizer, task, progress: bool, key: str, path: Path):
+    """The warm start cached at `path` (verified), or trained now on `model` and published there atomically."""
     with integrity.exclusive(path.with_name(f".{path.name}.lock")):  # concurrent runs: one builds, the others wait
         if path.is_dir():
             problems = integrity.verify(path)
