@@ -33,6 +33,7 @@ from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
 from smd_cli.attention import use_smd_attention
 from smd_cli.rollout_attention import RolloutState
+from smd_cli.scoring import prompt_groups
 from smd_cli.shadow import position_ids_from_mask
 
 
@@ -59,19 +60,6 @@ def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch
         ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long, device=device)
         mask[row, width - len(prompt):] = 1
     return ids, mask
-
-
-def repeats(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(first [U], owner [N]) when neighbouring rows repeat a prompt (GRPO's G samples): the row where each
-    distinct prompt first appears and each row's prompt; None when none repeats."""
-    owner, first = [], []
-    for row, prompt in enumerate(prompts):
-        if not first or prompt != prompts[first[-1]]:
-            first.append(row)
-        owner.append(len(first) - 1)
-    if len(first) == len(prompts):
-        return None
-    return torch.tensor(first, device=device), torch.tensor(owner, device=device)
 
 
 SYNC_EVERY = 16  # decode steps between two host reads of the device (all-finished, capacity) on an accelerator
@@ -366,7 +354,8 @@ def generate(
     started = time.perf_counter()
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
-    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, repeats(prompts, device))
+    groups = prompt_groups(prompt_ids, prompt_mask, prompt_ids.shape[1])  # rows repeating a prompt: prefilled once
+    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups)
     if _use_graphs(compile, device, policy, record_visibility):
         run.graphs = DecodeGraphs()
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)

@@ -429,7 +429,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_changes_nothing(model, prompts,
         hook = model.model.layers[0].register_forward_pre_hook(
             lambda layer, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).shape[0]), with_kwargs=True)
         if not share:
-            monkeypatch.setattr(module, "repeats", lambda *a: None)
+            monkeypatch.setattr(module, "prompt_groups", lambda *a: None)
         try:
             batch = generate(model, repeated, policy=POLICIES[name](), max_new_tokens=R, temperature=1.0,
                              generator=torch.Generator().manual_seed(7), eos_token_id=2, pad_token_id=0, record_visibility=True)

@@ -96,7 +96,7 @@ def _main_run_dir(mine: Path) -> Path:
     """Rank 0's run directory for every rank (Hydra's timestamped default may differ by a second between ranks);
     a directory Hydra made for this rank alone, holding only its own config and log, is removed."""
     main = Path(distributed.gather_objects(str(mine))[0])
-    if main != mine and mine.is_dir() and all(p.name in (".hydra", f"{mine.parent.name}.log") or p.suffix == ".log" for p in mine.iterdir()):
+    if main != mine and mine.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
         shutil.rmtree(mine, ignore_errors=True)
     return main
 
