@@ -5,6 +5,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(TORCH)
 export HF_HUB_OFFLINE ?= 1
+# pytest-xdist workers of make test (each test runs torch on one thread; JOBS=1 runs them one after another)
+JOBS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install train test test-fast bench reproduce clean
@@ -24,11 +26,11 @@ install: $(STAMP) ## create .venv, install torch==$(TORCH) (CPU wheel by default
 train: install ## run the embedded default experiment on the CPU (warm start + dense GRPO on the tiny scale)
 	$(BIN)/smd train
 
-test: install ## run the whole test suite (offline, CPU)
-	$(BIN)/python -m pytest -q
+test: install ## run the whole test suite (offline, CPU, $(JOBS) worker processes)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal
 
 test-fast: install ## the suite without the slow end-to-end stage runs
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist worksteal -m "not slow"
 
 SCALE ?= tiny
 QUICK ?=

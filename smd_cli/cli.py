@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             stage.run(cfg)
         except ConfigError as err:
-            console.print(f"[red]config error:[/red] {err}")
+            console.print(f"[red]config error:[/red] {err}", soft_wrap=True)  # one line: paths and values unbroken
             raise SystemExit(2) from None
         except TrainingDiverged as err:
             console.print(f"[red]training diverged:[/red] {err}")
