@@ -5,7 +5,7 @@
     .venv/bin/python bench/learner_memory.py --json out.json
 
 One evicting rollout (SnapKV, c = 0.5) of `rows` prompts, then on that batch:
-1. a whole `learner_step` of each algorithm (dense, naive_sparse, sparse_rl, tis, smd), after a warm-up step
+1. a whole `learner_step` of each algorithm (`smd_cli.learner.ALGORITHMS`), after a warm-up step
    so that gradients and optimizer state exist: the dynamic peak (live tensor bytes above what was held
    before the step) and the static bytes held (weights, gradients, optimizer state, and for Sparse-RL the
    frozen reference model its k3 KL term needs), each over naive_sparse's;

@@ -1,17 +1,25 @@
-"""One optimisation step on a batch of rollouts, for each algorithm of DESIGN.md section 4.
+"""One optimisation step on a batch of rollouts, for any algorithm of DESIGN.md section 4.
 
-| algo          | learner view            | pi_old in the ratio              | correction                       |
-|---------------|-------------------------|----------------------------------|----------------------------------|
-| dense         | dense                   | the first pass's own, detached   | none                             |
-| naive_sparse  | dense                   | the first pass's own, detached   | none (the bias, made visible)    |
-| sparse_rl     | dense                   | the first pass's own, detached   | Sparse-RL weights, rejection     |
-| tis           | dense                   | the first pass's own, detached   | min(pi_old / pi_rollout, C)      |
-| smd           | shadow mask (= sampler) | the sampler's own log-probs      | + lambda KL(sg[dense] || shadow) |
+An algorithm is a composition (`Algorithm`): the view the learner scores (dense, or the rollout's shadow mask
+replayed), a rollout correction that weights or masks tokens and sequences against the sampler's log-probs
+(`smd_cli.corrections`, one class per file), and whether SMD's distillation term is added. `learner_step` is
+one loop over these pieces and never asks for an algorithm's name. The built-in algorithms (conf/algo/):
+
+| algo          | learner view            | pi_old in the ratio              | correction                           |
+|---------------|-------------------------|----------------------------------|--------------------------------------|
+| dense         | dense                   | the first pass's own, detached   | none                                 |
+| naive_sparse  | dense                   | the first pass's own, detached   | none (the bias, made visible)        |
+| sparse_rl     | dense                   | the first pass's own, detached   | Sparse-RL weights, rejection         |
+| tis           | dense                   | the first pass's own, detached   | min(pi_old / pi_rollout, C)          |
+| mis           | dense                   | the first pass's own, detached   | sequence ratio in [0, 3], else 0     |
+| icepop        | dense                   | the first pass's own, detached   | token ratio in [0.5, 5], else 0      |
+| trm           | dense                   | the first pass's own, detached   | sequence out when max k2 > 2.5       |
+| smd           | shadow mask (= sampler) | the sampler's own log-probs      | none; + lambda KL(sg[dense] || shadow) |
 
 pi_old is the policy before the step's first update, so the dense-view algorithms read it off their first
-forward (no recompute; Sparse-RL over several micro-batches excepted, whose rejections must be known before
-any micro-batch's loss). SMD's one extra pass is its no-grad dense teacher, which runs only the response
-rows, layer by layer beside the replay, on the replay's prompt keys and values (every prompt row is the same
+forward (no recompute; a `batch_level` correction over several micro-batches excepted, Sparse-RL's or TRM's,
+whose rejections must be known before any micro-batch's loss). SMD's one extra pass is its no-grad dense
+teacher, which runs only the response rows, layer by layer beside the replay, on the replay's prompt keys and values (every prompt row is the same
 in both views): SMD costs naive sparse plus R rows of a no-grad forward (DESIGN.md contract 5). The
 reference policy of the KL term (`beta > 0`) is scored in the learner's own view, so that the KL is zero
 at theta = ref for SMD too. Forwards return hidden states; everything over the vocabulary (log-probs,
@@ -23,17 +31,37 @@ whatever parameters the optimizer holds.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from smd_cli import distributed
+from smd_cli.corrections.base import Correction
+from smd_cli.corrections.icepop import IcePop
+from smd_cli.corrections.mis import MIS
+from smd_cli.corrections.none import NoCorrection
+from smd_cli.corrections.sparse_rl import SparseRL
+from smd_cli.corrections.tis import TIS
+from smd_cli.corrections.trm import TRM
 from smd_cli.distributed import LearnerPass
-from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats, sparse_rl_weights, tis_weights
+from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats
 from smd_cli.rollout import RolloutBatch
 from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden, vocab_terms
 
-ALGORITHMS = ("dense", "naive_sparse", "sparse_rl", "tis", "smd")
+VIEWS = ("dense", "shadow")  # the attention the learner scores under: full context, or the rollout's shadow mask
+# The compositions of conf/algo/NAME.yaml (view, correction, distill), for callers that name a built-in algorithm
+# (tests, benchmarks); the stage builds its algorithm from the YAML itself. Tested equal to the YAML files.
+BUILT_IN = {
+    "dense": ("dense", NoCorrection, False),
+    "naive_sparse": ("dense", NoCorrection, False),
+    "sparse_rl": ("dense", SparseRL, False),
+    "tis": ("dense", TIS, False),
+    "mis": ("dense", MIS, False),
+    "icepop": ("dense", IcePop, False),
+    "trm": ("dense", TRM, False),
+    "smd": ("shadow", NoCorrection, True),
+}
+ALGORITHMS = tuple(BUILT_IN)
 
 
 class TrainingDiverged(RuntimeError):
@@ -42,7 +70,9 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class Algorithm:
-    """The learner's settings (names follow TRL's GRPOConfig where one exists)."""
+    """The learner's settings (names follow TRL's GRPOConfig where one exists) and the algorithm's composition:
+    `view` (VIEWS), `correction` (a `Correction`) and `distill` (add lambda * KL(sg[dense] || view), SMD's term;
+    needs the shadow view). Left None, they are those of the built-in algorithm `name` (BUILT_IN)."""
 
     name: str = "dense"
     epsilon: float = 0.2
@@ -54,14 +84,25 @@ class Algorithm:
     max_grad_norm: float = 1.0
     temperature: float = 1.0
     lam: float = 0.1  # SMD distillation weight
-    sparse_rl: dict = field(default_factory=lambda: {"cap": 1.5, "low": 0.5, "high": 1.5, "veto": 1e-4})
-    tis_cap: float = 2.0
     replay_backend: str = "auto"  # shadow replay kernel: auto (flex on CUDA) | sdpa | flex
     logits_chunk: int | None = None  # response tokens per vocabulary chunk; None = about 2^23 logits
+    view: str | None = None
+    correction: Correction | None = None
+    distill: bool | None = None
 
     def __post_init__(self):
-        if self.name not in ALGORITHMS:
-            raise ValueError(f"algo.name={self.name!r}: choose one of {', '.join(ALGORITHMS)}")
+        if self.view is None or self.correction is None or self.distill is None:
+            if self.name not in BUILT_IN:
+                raise ValueError(f"algo.name={self.name!r}: choose one of {', '.join(ALGORITHMS)}, or give its view, correction "
+                                 "and distill")
+            view, correction, distill = BUILT_IN[self.name]
+            self.view = view if self.view is None else self.view
+            self.correction = correction() if self.correction is None else self.correction
+            self.distill = distill if self.distill is None else self.distill
+        if self.view not in VIEWS:
+            raise ValueError(f"algo.view={self.view!r}: choose one of {', '.join(VIEWS)}")
+        if self.distill and self.view != "shadow":
+            raise ValueError("algo.distill=true (SMD's KL from the dense teacher to the learner's view) needs algo.view=shadow")
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
 
@@ -105,20 +146,11 @@ def _logprobs(model, batch: RolloutBatch, parts: list[slice], algo: Algorithm, s
     return torch.cat([forward(_scored, batch, s, algo, shadow, False)["logp"] for s in parts])
 
 
-def _corrections(algo: Algorithm, old: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> tuple:
-    """(weights, keep, statistics) of a dense-view algorithm's off-policy correction, given pi_old."""
-    if algo.name == "sparse_rl":
-        weights, kept, stats = sparse_rl_weights(old, sampler, mask, **algo.sparse_rl)
-        return weights, kept.float(), stats
-    if algo.name == "tis":
-        weights, stats = tis_weights(old, sampler, mask, algo.tis_cap)
-        return weights, mask.clone(), stats
-    return torch.ones_like(mask), mask.clone(), {}
-
-
-def _skipped(metrics: dict, dense_logp: torch.Tensor, sampler: torch.Tensor, mask: torch.Tensor) -> dict:
-    """Every token rejected (Sparse-RL): nothing to learn from, no update; the caller counts the skip."""
-    return {**metrics, **mismatch_stats("mismatch/dense_", dense_logp, sampler, mask), "learner/skipped_empty_batch": 1.0}
+def _skipped(metrics: dict, sampler: torch.Tensor, mask: torch.Tensor, dense_logp: torch.Tensor | None) -> dict:
+    """Every token rejected (Sparse-RL, TRM): nothing to learn from, no update; the caller counts the skip."""
+    if dense_logp is not None:
+        metrics = {**metrics, **mismatch_stats("mismatch/dense_", dense_logp, sampler, mask)}
+    return {**metrics, "learner/skipped_empty_batch": 1.0}
 
 
 def _trainable(optimizer) -> list[torch.Tensor]:
@@ -141,28 +173,28 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     mask = batch.response_mask.float()  # [N, R]
     sampler = batch.logprobs.float()  # [N, R]
     parts = _slices(n, algo.micro_batch_size)
-    smd = algo.name == "smd"
+    shadow, correct = algo.view == "shadow", algo.correction
     metrics: dict[str, float] = {}
 
-    # pi_old is the policy before this step's first update, which is exactly the first pass's own forward:
-    # the dense-view algorithms take it from there, detached (as TRL does), with no extra forward. Only
-    # Sparse-RL over several micro-batches scores it up front, since its rejections set every micro-batch's
-    # loss normaliser. SMD's pi_old is the sampler's (its view is the sampler's); its one no-grad pass is the
-    # dense teacher, per micro-batch inside the loop.
-    upfront = algo.name == "sparse_rl" and len(parts) > 1
-    old = sampler if smd else _logprobs(model, batch, parts, algo, shadow=False) if upfront else None
+    # pi_old is the policy before this step's first update. The shadow view is the sampler's, so its pi_old is the
+    # sampler's log-probs; a dense view's is exactly its first pass's own forward, taken from there, detached (as
+    # TRL does), with no extra forward. Only a batch-level correction over several micro-batches scores it up
+    # front, since its rejections set every micro-batch's loss normaliser. SMD's one no-grad pass is the dense
+    # teacher, per micro-batch inside the loop.
+    upfront = correct.batch_level and len(parts) > 1 and not shadow
+    old = sampler if shadow else _logprobs(model, batch, parts, algo, shadow=False) if upfront else None
     weights, keep = torch.ones_like(mask), mask.clone()
-    if upfront:
-        weights, keep, stats = _corrections(algo, old, sampler, mask)
+    if old is not None:
+        weights, keep, stats = correct(old, sampler, mask)
         metrics.update(stats)
     ref_logp = None
     if algo.beta > 0:
         if ref_model is None:
             raise ValueError("grpo.beta > 0 needs a reference model")
-        ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=smd)  # the learner's own view
+        ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=shadow)  # the learner's own view
     total_tokens, total_seqs = _counts(keep)
-    if upfront and total_tokens == 0:
-        return _skipped(metrics, old, sampler, mask)
+    if old is not None and total_tokens == 0:
+        return _skipped(metrics, sampler, mask, None if shadow else old)
 
     # Gradients left by earlier code (e.g. the warm start) must not leak in. They are zeroed, not freed: kept
     # from one step to the next, backward adds into them in place (no second copy of the largest tensor).
@@ -172,20 +204,20 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     low = high = ent = 0.0
     view_logp, teacher_logp = [], []
     response_tokens, rows = distributed.total(float(mask.sum())), distributed.total(float(n))
+    distilled = algo.distill and algo.lam > 0
     for iteration in range(algo.num_iterations):
         for s in parts:
-            distilled = smd and algo.lam > 0
-            terms = forward(_scored, batch, s, algo, smd, distilled)
+            terms = forward(_scored, batch, s, algo, shadow, distilled)
             logp = terms["logp"]
             if iteration == 0:
                 view_logp.append(logp.detach())
                 if old is None:  # this pass is pi_old; its corrections follow from it
-                    weights[s], keep[s], stats = _corrections(algo, view_logp[-1], sampler[s], mask[s])
-                    if algo.name == "sparse_rl":  # one micro-batch (s is the whole batch): the normaliser is known only now
+                    weights[s], keep[s], stats = correct(view_logp[-1], sampler[s], mask[s])
+                    if correct.batch_level:  # one micro-batch (s is the whole batch): the normaliser is known only now
                         total_tokens, total_seqs = _counts(keep)
                         if total_tokens == 0:
                             module.eval()
-                            return _skipped({**metrics, **stats}, view_logp[-1], sampler, mask)
+                            return _skipped({**metrics, **stats}, sampler, mask, view_logp[-1])
             old_s = old[s] if old is not None else view_logp[-1]
             per_tok, clip = clipped_surrogate(logp, old_s, advantages[s], algo.epsilon, algo.epsilon_high)
             policy = aggregate(per_tok * weights[s], keep[s], algo.loss_agg, total_tokens, total_seqs)
@@ -212,7 +244,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 sums[key] += float(value.detach()) / algo.num_iterations
         if old is None:  # a dense view whose pi_old was this first pass
             old = torch.cat(view_logp)
-            metrics.update(_corrections(algo, old, sampler, mask)[2])  # statistics over the whole batch
+            metrics.update(correct(old, sampler, mask)[2])  # statistics over the whole batch
         norm = torch.nn.utils.clip_grad_norm_(_trainable(optimizer), algo.max_grad_norm)  # global under FSDP2 (a DTensor)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         if not math.isfinite(grad_norm):
@@ -223,7 +255,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     module.eval()
 
     # the dense learner's mismatch on these rollouts: SMD's teacher, or the dense view itself
-    dense_logp = torch.cat(teacher_logp) if teacher_logp else None if smd else old
+    dense_logp = torch.cat(teacher_logp) if teacher_logp else None if shadow else old
     metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
     if dense_logp is not None:
         metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))

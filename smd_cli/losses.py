@@ -9,6 +9,8 @@ and importance-weight statistics) are over the whole data-parallel batch when se
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from smd_cli.distributed import largest, total
@@ -132,6 +134,72 @@ def tis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.
         "is/truncated_token_frac": _mean((rho[valid] > cap).float()),
     }
     return weights.detach(), stats
+
+
+def _masking_stats(weights: torch.Tensor, masked: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """What a rollout correction did to the batch, under verl's `rollout_corr/` prefix: the fraction of real
+    tokens left without gradient (`masked_token_frac`), of sequences with at least one such token
+    (`masked_seq_frac`, verl's `rollout_rs_seq_masked_fraction`), and the weights over real tokens (masked
+    ones count as 0)."""
+    n_valid = max(total(float(valid.sum())), 1.0)
+    return {
+        "rollout_corr/masked_token_frac": total(float(masked.sum())) / n_valid,
+        "rollout_corr/masked_seq_frac": total(float(masked.any(dim=1).sum())) / max(total(float(valid.shape[0])), 1.0),
+        "rollout_corr/weight_mean": _mean(weights[valid]),
+        "rollout_corr/weight_max": max(_max(weights[valid]), 0.0),
+    }
+
+
+def mis_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, low: float = 0.0,
+                high: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Sequence-level masked importance sampling, TRL's default `vllm_importance_sampling_mode="sequence_mask"`
+    (cap `vllm_importance_sampling_cap` = 3.0; lower bound `vllm_importance_sampling_min`, 0 by default, TRL PR
+    4732): the sequence ratio `rho = prod_t pi_old / pi_rollout = exp(sum_t (log pi_old - log pi_rollout))` over
+    real tokens weights every token of its sequence when `low <= rho <= high`, and 0 (masked out) otherwise.
+    As in TRL, a masked sequence stays in the loss normaliser (its weight is 0), so `keep` is `mask`.
+    Computed in log space (a long sequence's ratio overflows float32). Returns weights [N, R] (detached),
+    keep [N, R] and statistics (`rollout_corr/*`, `_masking_stats`)."""
+    valid = mask.bool()
+    log_seq = ((logp_old - logp_rollout) * mask).sum(dim=1)  # [N] log of the sequence ratio
+    floor = math.log(low) if low > 0 else -math.inf
+    inside = (log_seq >= floor) & (log_seq <= math.log(high))  # NaN: outside
+    per_seq = torch.where(inside, torch.exp(log_seq.clamp(max=math.log(high))), torch.zeros_like(log_seq))
+    weights = per_seq[:, None].expand(mask.shape).clone()  # [N, R]
+    masked = valid & ~inside[:, None]
+    return weights.detach(), mask.clone(), _masking_stats(weights, masked, valid)
+
+
+def icepop_weights(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor, low: float = 0.5,
+                   high: float = 5.0) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """IcePop (Ring-1T report, arXiv 2510.18855; verl `rollout_is_threshold="0.5_5.0"`): the token ratio
+    `rho_t = pi_old / pi_rollout` (log clamped to [-20, 20], verl's safety bound) weights the token's PPO term
+    when `low <= rho_t <= high` (the paper's M(k) = k inside [alpha, beta]) and 0 otherwise. The normaliser
+    keeps every real token (the paper's 1/|y_i|; verl: IcePop does not modify response_mask), so `keep` is
+    `mask`. Returns weights [N, R] (detached), keep [N, R] and statistics (`rollout_corr/*`)."""
+    valid = mask.bool()
+    rho = torch.exp(torch.clamp(logp_old - logp_rollout, -20.0, 20.0))  # [N, R]
+    inside = (rho >= low) & (rho <= high)
+    weights = torch.where(inside, rho, torch.zeros_like(rho))
+    return weights.detach(), mask.clone(), _masking_stats(weights, valid & ~inside, valid)
+
+
+def trm_keep(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+             threshold: float = 2.5) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Trust Region Masking (Li et al., arXiv 2512.23075): a sequence leaves the loss whole when its largest
+    token-level divergence exceeds the trust region, `max_t D(t) > threshold`, with verl's sample estimator of
+    the per-token divergence `k2 = (log rho_t)^2 / 2` (`rollout_rs="seq_max_k2"`, log clamped to [-20, 20];
+    2.5 is verl's example threshold). As verl's rejection sampling, rejected sequences leave the loss
+    normaliser too, and no weight is applied. Returns weights (ones) [N, R], keep [N, R] (float) and
+    statistics (`rollout_corr/*` and `rollout_corr/k2_max`, the largest k2 over real tokens)."""
+    valid = mask.bool()
+    log_rho = torch.clamp(logp_old - logp_rollout, -20.0, 20.0)
+    k2 = (0.5 * log_rho.square()).masked_fill(~valid, 0.0)  # [N, R]
+    inside = k2.amax(dim=1) <= threshold  # [N]; NaN: outside
+    keep = valid & inside[:, None]
+    weights = torch.ones_like(mask)
+    stats = _masking_stats(keep.to(weights.dtype), valid & ~keep, valid)
+    stats["rollout_corr/k2_max"] = max(_max(k2[valid]), 0.0)
+    return weights, keep.to(mask.dtype), stats
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

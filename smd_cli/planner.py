@@ -78,7 +78,7 @@ class Run:
     arch: Arch
     compute_bytes: int  # 4 (float32) or 2 (bfloat16 / float16)
     device: str  # "cuda" or "cpu": which attention kernels run
-    algo: str  # dense | naive_sparse | sparse_rl | tis | smd
+    algo: str  # its name (conf/algo/); what the planner reads of it are the three fields below
     rows: int  # N: prompts_per_step x G
     micro_batch: int  # n: rows per learner forward/backward
     rollout_rows: int  # rows decoded at once
@@ -92,6 +92,15 @@ class Run:
     logits_chunk: int | None = None  # tokens per vocabulary chunk (None: 2^23 logits)
     lam: float = 0.1
     gpus: int = 1  # FSDP2 over this many GPUs; rows, micro_batch and rollout_rows are then per GPU
+    shadow: bool | None = None  # the learner scores the shadow replay (algo.view); None: algo == "smd"
+    distill: bool | None = None  # SMD's no-grad dense teacher beside the replay (algo.distill); None: algo == "smd"
+    batch_level: bool | None = None  # the correction scores pi_old up front over micro-batches; None: Sparse-RL, TRM
+
+    def __post_init__(self):  # frozen: the defaults of a run described by its name alone (benchmarks, tests)
+        defaults = {"shadow": self.algo == "smd", "distill": self.algo == "smd", "batch_level": self.algo in ("sparse_rl", "trm")}
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
 
     @property
     def evicting(self) -> bool:
@@ -188,14 +197,13 @@ def learner_terms(run: Run) -> dict[str, float]:
     checkpoints = a.layers * tokens * a.hidden * b
     final = 3.0 * tokens * a.hidden * b  # the final norm's input and output, the response slice
     grad_layer = tokens * a.layer_tokens(b, hidden=8, intermediate=6, query=5, kv=5)
-    smd = run.algo == "smd"
     attention = 0.0
-    if smd and run.device == "cpu":  # the response rows' per-head mask, bool then float inside SDPA
+    if run.shadow and run.device == "cpu":  # the response rows' per-head mask, bool then float inside SDPA
         attention = n * a.heads * R * T * (4.0 + 3.0)
     logits = min(run.chunk, n * R) * a.vocab  # one chunk's logits (elements)
     vocab_chunk = logits * (5 * 4.0 + (b if b < 4 else 0))  # its float32 logits, softmax and gradients
     head_grads = 3.0 * a.largest * b  # the LM head's weight gradients, summed across chunks and with the embedding's
-    teacher = n * R * a.hidden * b if smd and run.lam > 0 else 0.0
+    teacher = n * R * a.hidden * b if run.distill and run.lam > 0 else 0.0
     kept = checkpoints + final + teacher
     moments = {
         "vocabulary chunk backward": kept + vocab_chunk,
@@ -203,7 +211,7 @@ def learner_terms(run: Run) -> dict[str, float]:
         # the LM head's summed gradient waits in autograd's buffer for the tied embedding's
         "layer backward": kept + grad_layer + attention + (a.largest * b if a.tied else 0.0),
     }
-    if run.reference or (run.algo == "sparse_rl" and run.rows > n):  # a whole no-grad pass before the step
+    if run.reference or (run.batch_level and run.rows > n):  # a whole no-grad pass before the step
         moments["no-grad forward"] = final + no_grad_layer(run, n, T) + 3 * 4.0 * logits
     if teacher:  # the teacher's response rows beside the replay, on one layer's prompt keys and values
         tap = 2.0 * n * a.kv_heads * (T - R) * a.head_dim * b

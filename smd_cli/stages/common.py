@@ -25,6 +25,7 @@ from rich.table import Table
 
 from smd_cli import distributed, integrity, models
 from smd_cli.attention import use_smd_attention
+from smd_cli.corrections.base import Correction
 from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
 from smd_cli.warmstart import warm_start
 
@@ -141,6 +142,18 @@ def build_policy(cfg: DictConfig, option: str | None = None):
         return instantiate(node)
     except Exception as err:
         raise ConfigError(f"eviction: {_root_cause(err)}") from None
+
+
+def build_correction(cfg: DictConfig):
+    """The rollout correction of `algo.correction` (smd_cli/corrections/); a constructor's error is a config error
+    naming it."""
+    try:
+        correction = instantiate(cfg.algo.correction)
+    except Exception as err:  # Hydra wraps the constructor's error; surface its message
+        raise ConfigError(f"algo.correction: {_root_cause(err)}") from None
+    check(isinstance(correction, Correction), "algo.correction._target_", cfg.algo.correction.get("_target_"),
+          "a subclass of smd_cli.corrections.base.Correction")
+    return correction
 
 
 def _root_cause(err: BaseException) -> str:

@@ -21,7 +21,7 @@ from smd_cli import models
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.io import write_json
 from smd_cli.planner import Arch, Run, largest_fitting, plan
-from smd_cli.stages.common import ConfigError, build_policy, build_task, check, console, load_tokenizer, start_run
+from smd_cli.stages.common import ConfigError, build_correction, build_policy, build_task, check, console, load_tokenizer, start_run
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -79,6 +79,7 @@ def describe(cfg: DictConfig) -> Run:
         score_rows=policy.window if isinstance(policy, SnapKV) else 0,
         optimizer="adamw8bit" if str(cfg.optim.get("_target_", "")).startswith("bitsandbytes.") else "adamw",
         reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus,
+        shadow=cfg.algo.view == "shadow", distill=bool(cfg.algo.distill), batch_level=build_correction(cfg).batch_level,
     )
 
 

@@ -129,7 +129,7 @@ def _member(combo: tuple, overrides: list[str]) -> Member:
     parts = [choices.task, config["algo"]["name"]]
     if config["algo"]["evicting"]:
         parts += [choices.eviction, f"c{config['compression']:g}"]
-    if config["algo"]["name"] == "smd":
+    if config["algo"].get("distill"):  # lambda is read only by an algorithm that distils (SMD)
         parts.append(f"lam{config['lambda']:g}")
     parts.append(f"seed{config['seed']}")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(map(str, parts))) + f"_{identity[:8]}"
@@ -138,8 +138,8 @@ def _member(combo: tuple, overrides: list[str]) -> Member:
 
 def config_identity(cfg: DictConfig) -> str:
     """SHA-256 of a composed train config, less the keys that only change how it is carried out (NOT_IDENTITY)
-    and `lambda` for the algorithms that do not read it (all but SMD)."""
-    unused = NOT_IDENTITY + (() if cfg.algo.name == "smd" else ("lambda",))
+    and `lambda` for the algorithms that do not read it (all but those that distil: SMD)."""
+    unused = NOT_IDENTITY + (() if cfg.algo.get("distill") else ("lambda",))
     config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k not in unused}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -35,19 +35,19 @@ from smd_cli import distributed
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import MetricsLog, write_json
-from smd_cli.learner import ALGORITHMS, Algorithm, TrainingDiverged, learner_step
+from smd_cli.learner import VIEWS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
-from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, console, load_examples, load_model, pick_device,
-                                  start_run)
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, console, load_examples, load_model,
+                                  pick_device, start_run)
 from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, save_final, stop_diverged
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
     g, s = cfg.grpo, cfg.sampling
-    check(cfg.algo.name in ALGORITHMS, "algo", cfg.algo.name, f"one of {', '.join(ALGORITHMS)}")
+    check_algorithm(cfg)
     check(isinstance(cfg.steps, int) and cfg.steps >= 0, "steps", cfg.steps, "an integer >= 0")
     check(isinstance(g.num_generations, int) and g.num_generations >= 2, "grpo.num_generations", g.num_generations,
           "an integer >= 2 (GRPO normalises each reward against the other samples of its group)")
@@ -86,6 +86,21 @@ def validate(cfg: DictConfig) -> None:
     check_optimizer(cfg)
 
 
+def check_algorithm(cfg: DictConfig) -> None:
+    """An algorithm is a composition (conf/algo/*.yaml): its view, whether it distils, its correction (built now,
+    so that a bad value is named before any work)."""
+    a = cfg.algo
+    check(isinstance(a.get("name"), str), "algo.name", a.get("name"), "a name (conf/algo/NAME.yaml)")
+    check(isinstance(a.get("evicting"), bool), "algo.evicting", a.get("evicting"), "true or false")
+    check(a.get("view") in VIEWS, "algo.view", a.get("view"), f"one of {', '.join(VIEWS)}")
+    check(isinstance(a.get("distill"), bool), "algo.distill", a.get("distill"), "true or false")
+    check(not a.distill or a.view == "shadow", "algo.distill", a.distill,
+          "false with algo.view=dense (SMD's KL from the dense teacher needs the shadow view)")
+    check(a.get("correction") is not None and "_target_" in a.correction, "algo.correction", a.get("correction"),
+          "a node with a _target_ (smd_cli/corrections/; NoCorrection for none)")
+    build_correction(cfg)
+
+
 def check_optimizer(cfg: DictConfig) -> None:
     """optim=adamw8bit needs a CUDA device and an importable bitsandbytes; say so before any work is done."""
     target = str(cfg.optim.get("_target_", ""))
@@ -108,7 +123,8 @@ def rollout_policy(cfg: DictConfig):
     if not cfg.algo.evicting:
         if not isinstance(policy, KeepAll):
             raise ConfigError(f"algo={cfg.algo.name} samples without eviction, but eviction={type(policy).__name__} was set; "
-                              "use algo=naive_sparse, sparse_rl, tis or smd to train with an evicting rollout")
+                              "use an evicting algo (naive_sparse, sparse_rl, tis, mis, icepop, trm, smd) to train with an "
+                              "evicting rollout")
         return None
     if isinstance(policy, KeepAll):
         console.print(f"[yellow]note:[/yellow] algo={cfg.algo.name} with eviction=none keeps every KV entry")
@@ -120,9 +136,8 @@ def algorithm(cfg: DictConfig) -> Algorithm:
     return Algorithm(
         name=a.name, epsilon=g.epsilon, epsilon_high=g.epsilon_high, beta=g.beta, loss_agg=g.loss_agg,
         num_iterations=g.num_iterations, micro_batch_size=g.micro_batch_size, max_grad_norm=g.max_grad_norm,
-        temperature=cfg.sampling.temperature, lam=cfg["lambda"],
-        sparse_rl=dict(a.get("sparse_rl") or {"cap": 1.5, "low": 0.5, "high": 1.5, "veto": 1e-4}), tis_cap=a.get("tis_cap", 2.0),
-        replay_backend=cfg.model.replay, logits_chunk=g.logits_chunk,
+        temperature=cfg.sampling.temperature, lam=cfg["lambda"], replay_backend=cfg.model.replay, logits_chunk=g.logits_chunk,
+        view=a.view, correction=build_correction(cfg), distill=a.distill,
     )
 
 

@@ -1,0 +1,37 @@
+"""The shape every rollout correction has (the eviction policies' shape: a small class, its math a pure function
+in `smd_cli.losses`, named by a YAML file).
+
+A correction sees the learner's pi_old and the sampler's log-probs on the real response tokens and returns,
+per token, a weight on the PPO term and whether the token counts in the loss normaliser. `learner_step`
+applies them the same way whatever the correction is; it never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Correction:
+    """Base class. `__call__(logp_old, logp_rollout, mask)`, all [N, R] (mask 1 on real tokens), returns
+    (weights [N, R] detached, keep [N, R] in mask's dtype: the tokens the loss sums and normalises over,
+    statistics: plain floats over the whole batch, named by the correction)."""
+
+    # True when the weights or the kept tokens depend on the whole batch (a batch-mean normaliser, tokens that
+    # leave the loss denominator): with several micro-batches, pi_old is then scored for the whole batch first.
+    batch_level: bool = False
+
+    def __call__(self, logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({fields})"
+
+    def __eq__(self, other) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+
+def check_band(low: float, high: float, name: str) -> None:
+    """A ratio band [low, high] with 0 <= low < high (`name` for the message)."""
+    if not (0.0 <= low < high):
+        raise ValueError(f"{name} needs 0 <= low < high, got low={low}, high={high}")
