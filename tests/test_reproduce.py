@@ -31,7 +31,7 @@ def members(recipe: str) -> list:
 def test_the_tables_recipes_share_their_common_runs():
     """Each table's sweep as the paper asks (values by hand); a run two tables share composes to the same config."""
     main_, comp, lam, sel = (distinct(members(r)) for r in ("main_table", "ablate_compression", "ablate_lambda", "ablate_selection"))
-    assert (len(main_), len(comp), len(lam), len(sel)) == (2 * 5 * 3, 4 * 3 * 3, 5 * 3, 5 * 2 * 3)
+    assert (len(main_), len(comp), len(lam), len(sel)) == (2 * 8 * 3, 4 * 3 * 3, 5 * 3, 5 * 2 * 3)
     main_ids = {m.identity for m in main_}
     shared = {"compression": {m.label for m in comp if m.identity in main_ids}, "lambda": {m.label for m in lam if m.identity in main_ids},
               "selection": {m.label for m in sel if m.identity in main_ids}}
@@ -39,9 +39,9 @@ def test_the_tables_recipes_share_their_common_runs():
     assert shared["lambda"] == {f"lambda=0.1,seed={s}" for s in "012"}
     assert shared["selection"] == {f"eviction=snapkv,algo={a},seed={s}" for a in ("naive_sparse", "smd") for s in "012"}
     total = len({m.identity for group in (main_, comp, lam, sel) for m in group})
-    assert total == 30 + (36 - 9) + (15 - 3) + (30 - 6)
+    assert total == 48 + (36 - 9) + (15 - 3) + (30 - 6)
     paper = [distinct(members(r)) for r in ("paper_main_table", "paper_ablate_compression", "paper_ablate_lambda", "paper_ablate_selection")]
-    assert [len(p) for p in paper] == [4 * 5 * 3, 36, 15, 30]
+    assert [len(p) for p in paper] == [4 * 8 * 3, 36, 15, 30]
     assert all(m.name.startswith(("gsm8k_", "tldr_", "govreport_", "hotpotqa_")) for p in paper for m in p)
 
 
@@ -97,7 +97,7 @@ def test_paper_scale_prints_its_plan_and_stops_without_a_gpu_or_the_hub(tmp_path
     assert done.value.code == 2
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
-    assert "smd reproduce, paper scale: what will run" in text and "123 distinct training runs, 123 to run" in text
+    assert "smd reproduce, paper scale: what will run" in text and "159 distinct training runs, 159 to run" in text
     assert "make reproduce SCALE=paper stops here. It needs a CUDA GPU" in text
     assert ("the Hugging Face Hub's model Qwen/Qwen3-4B-Instruct-2507, dataset openai/gsm8k, dataset trl-lib/tldr, dataset "
             "ccdv/govreport-summarization, dataset hotpotqa/hotpot_qa: not in the local cache, and HF_HUB_OFFLINE=1 is set") in text
