@@ -77,6 +77,7 @@ def evaluate(
     policy=None,
     temperature: float = 0.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
@@ -101,7 +102,7 @@ def evaluate(
             chunk = order[start : start + batch_size]
             batch = generate(
                 model, [prompts[i] for i in chunk], policy=policy, max_new_tokens=max_new_tokens,
-                temperature=temperature, top_p=top_p, noise=None if noise is None else noise[chunk],
+                temperature=temperature, top_p=top_p, top_k=top_k, noise=None if noise is None else noise[chunk],
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
             )
             kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])

@@ -4,8 +4,10 @@
 every forward carries a `RolloutState`, so the model's attention runs the evicting rollout
 (`smd_cli.rollout_attention`): each layer attends, then the policy evicts from that layer's `EvictingCache` (evict after the attention has run), and the evictions are
 written into the shadow mask `evict_at[N, L, Hkv, T]` (DESIGN.md section 2). Without a policy it is a
-plain dense rollout on a `DynamicCache`. The sampler's log-probs are `log_softmax(logits / temperature)`
-at the sampled token, before top-p filtering (temperature 0 = greedy, scored at temperature 1).
+plain dense rollout on a `DynamicCache`. The sampler's log-probs are those of the distribution it drew from:
+`log_softmax(logits / temperature)` at the sampled token, or with `top_k` / `top_p` that distribution restricted
+to its support and renormalised, the support recorded as one cut per token (`sampling_cut`, `smd_cli.sampling`)
+for the learner to score the same one (temperature 0 = greedy, scored at temperature 1).
 Keys keep their true RoPE positions: every forward gets the rows' real `position_ids`.
 
 The decode loop reads nothing from the device at a step: entry counts, the cache's capacity check and the
@@ -33,6 +35,7 @@ from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
 from smd_cli.attention import use_smd_attention
 from smd_cli.rollout_attention import RolloutState
+from smd_cli.sampling import support_cut, truncated_logprob
 from smd_cli.scoring import prompt_groups
 from smd_cli.shadow import position_ids_from_mask
 
@@ -47,6 +50,8 @@ class RolloutBatch:
     evict_at: torch.Tensor | None  # [N, L, Hkv, T] int32 shadow mask; None for a dense rollout
     stats: dict[str, float] = field(default_factory=dict)
     visibility: torch.Tensor | None = None  # [N, L, Hkv, T, T] bool, only with record_visibility=True
+    sampling_cut: torch.Tensor | None = None  # [N, R] float32: each token's support {log p >= cut} under top-k /
+    # top-p (`smd_cli.sampling`), and then `logprobs` are the truncated distribution's; None: nothing truncated
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,21 +82,27 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None):
-    """Draw one token per row from logits [N, V] (`draw` at `uniforms` [N]; greedy needs none); returns tokens [N]
-    and log_softmax(logits / T) there [N]."""
+def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None, top_k: int = 0):
+    """Draw one token per row from logits [N, V] (`draw` at `uniforms` [N]; greedy needs none); returns tokens [N],
+    the log-prob there of the distribution drawn from [N], and the cut of its support [N] (None when nothing is
+    truncated): `log_softmax(logits / T)` without top-k / top-p, else that distribution restricted to the support
+    of top-k then top-p and renormalised (`smd_cli.sampling`; T = 0, greedy, counts as 1)."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        return tokens, torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        cut = support_cut(logp, top_p, top_k)
+        if cut is None:
+            return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), None
+        return tokens, truncated_logprob(logp, cut, tokens), cut
     logp = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
     probs = logp.exp()
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keeps at least the top token
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    tokens = draw(probs, uniforms)
-    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+    cut = support_cut(logp, top_p, top_k)
+    if cut is None:
+        tokens = draw(probs, uniforms)
+        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), None
+    tokens = draw(probs.masked_fill(logp < cut[:, None], 0.0), uniforms)
+    return tokens, truncated_logprob(logp, cut, tokens), cut
 
 
 def sampling_noise(rows: int, max_new_tokens: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -101,11 +112,13 @@ def sampling_noise(rows: int, max_new_tokens: int, generator: torch.Generator | 
     return torch.rand(rows, max_new_tokens, generator=generator, device=device)
 
 
-def _check(temperature: float, top_p: float, max_new_tokens: int, compile, sync_every) -> None:
+def _check(temperature: float, top_p: float, top_k: int, max_new_tokens: int, compile, sync_every) -> None:
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not (compile == "auto" or compile is True or compile is False):
@@ -145,6 +158,7 @@ class _Run:
     feed_positions: torch.Tensor  # [N, 1] its RoPE positions
     invalid: torch.Tensor  # [] bool: a sampled log-prob was NaN (the model's logits were not finite)
     groups: tuple | None = None  # (first [U], owner [N]) when rows repeat a prompt: its prefill runs once
+    cuts: torch.Tensor | None = None  # [N, Rmax] the sampling support's cut per token (top-k / top-p), else None
     graphs: DecodeGraphs | None = None
     meter: KVMeter = field(default_factory=KVMeter)
     steps: int = 0  # decode steps run (the batch keeps those up to the last one where a row was live)
@@ -197,12 +211,16 @@ class _Run:
         self.meter.observe(self.cache)
         return logits if step or self.groups is None else logits[self.groups[1]]
 
-    def record(self, step: int, tokens, token_logp, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
+    def record(self, step: int, tokens, token_logp, cut, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
         live = ~self.finished
         column = self.prompt_width + step
         self.input_ids[:, column] = torch.where(live, tokens, pad_token_id)
         self.attention_mask[:, column] = live.long()
         self.logprobs[:, step] = torch.where(live, token_logp, 0.0)
+        if cut is not None:
+            if self.cuts is None:
+                self.cuts = torch.full_like(self.logprobs, float("-inf"))
+            self.cuts[:, step] = cut
         self.positions += live.long()
         self.finished |= live & (tokens == eos_token_id)
         if check_nan:
@@ -248,7 +266,7 @@ class _Run:
             real_entries = int(fed.sum()) * model.config.num_hidden_layers * model.config.num_key_value_heads
             stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.state.entries_peak(steps) / max(real_entries, 1)})
         return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, :steps],
-                            evict_at, stats, visibility)
+                            evict_at, stats, visibility, None if self.cuts is None else self.cuts[:, :steps])
 
 
 def response_texts(batch: RolloutBatch, tokenizer) -> list[str]:
@@ -277,6 +295,8 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         return batches.pop()
     if len({b.evict_at is None for b in batches}) > 1:
         raise ValueError("cannot concatenate dense and evicting rollouts")
+    if len({b.sampling_cut is None for b in batches}) > 1:
+        raise ValueError("cannot concatenate rollouts with and without a truncated sampling support")
     P = max(b.prompt_length for b in batches)
     R = max(b.logprobs.shape[1] for b in batches)
     rows = [b.input_ids.shape[0] for b in batches]
@@ -291,6 +311,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     attention_mask = first.attention_mask.new_zeros(total, width)
     response_mask = first.response_mask.new_zeros(total, R)
     logprobs = first.logprobs.new_zeros(total, R)
+    cuts = None if first.sampling_cut is None else first.sampling_cut.new_full((total, R), float("-inf"))
     evict_at = None if first.evict_at is None else first.evict_at.new_zeros((total,) + first.evict_at.shape[1:3] + (width,))
     start = 0
     while batches:
@@ -300,6 +321,8 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         columns = slice(shift, shift + b.input_ids.shape[1])
         input_ids[rows_, columns], attention_mask[rows_, columns] = b.input_ids, b.attention_mask
         response_mask[rows_, :r], logprobs[rows_, :r] = b.response_mask, b.logprobs
+        if cuts is not None:
+            cuts[rows_, :r] = b.sampling_cut
         if evict_at is not None:
             old_width = b.input_ids.shape[1]
             moved = evict_at[rows_, ..., columns]
@@ -307,7 +330,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
             moved.masked_fill_(b.evict_at >= old_width, width).masked_fill_(b.evict_at == 0, 0)  # sentinel; padding stays hidden
         start += n
         del b
-    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats)
+    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats, sampling_cut=cuts)
 
 
 def _use_graphs(compile, device: torch.device, policy, record_visibility: bool) -> bool:
@@ -329,6 +352,7 @@ def generate(
     max_new_tokens: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
+    top_k: int = 0,
     generator: torch.Generator | None = None,
     noise: torch.Tensor | None = None,
     eos_token_id: int,
@@ -350,7 +374,7 @@ def generate(
     Sampling reads `noise` [N, >= max_new_tokens] (uniforms, `sampling_noise`), or draws it at once from
     `generator`: a row's tokens depend on its own noise only, so splitting the rows into chunks or ranks,
     each with its rows of one noise tensor, samples exactly what one batch would."""
-    _check(temperature, top_p, max_new_tokens, compile, sync_every)
+    _check(temperature, top_p, top_k, max_new_tokens, compile, sync_every)
     started = time.perf_counter()
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
@@ -369,8 +393,8 @@ def generate(
     use_smd_attention(model)
     with bar:
         for step in range(max_new_tokens):
-            tokens, token_logp = sample(run.forward(model, step), temperature, top_p, None if noise is None else noise[:, step])
-            run.record(step, tokens, token_logp, eos_token_id, pad_token_id, check_nan=temperature > 0)
+            tokens, token_logp, cut = sample(run.forward(model, step), temperature, top_p, None if noise is None else noise[:, step], top_k)
+            run.record(step, tokens, token_logp, cut, eos_token_id, pad_token_id, check_nan=temperature > 0)
             bar.advance(task)
             if (step + 1) % sync_every == 0 or step + 1 == max_new_tokens:
                 if run.synchronise():

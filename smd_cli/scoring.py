@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from smd_cli import sampling
 from smd_cli.attention import PromptTap, use_smd_attention
 from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
 
@@ -162,12 +163,23 @@ def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_
     return model.get_output_embeddings()(response_hidden(model, input_ids, attention_mask, prompt_length, evict_at, backend))
 
 
-def _terms(head, hidden, tokens, scale: float, teacher):
-    """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None -> (log-prob [c], entropy [c],
-    KL(teacher || student) [c] or None, teacher log-prob [c] or None)."""
-    logits = head(hidden).float()  # [c, V]
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in float32, or float64 when the model computes in float64 (the float64 parity replay)."""
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def _terms(head, hidden, tokens, scale: float, teacher, cut=None):
+    """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None, cut [c] or None (the sampling support,
+    `smd_cli.sampling`) -> (log-prob [c], entropy [c], KL(teacher || student) [c] or None, teacher log-prob [c]
+    or None), all over the support when `cut` is given (the teacher restricted to the student's support)."""
+    logits = _upcast(head(hidden))  # [c, V]
     if scale != 1.0:
         logits = logits / scale
+    beyond = None
+    if cut is not None:  # the full-vocabulary log-probs, then OUTSIDE beyond the support: logits of the truncated policy
+        logits = torch.log_softmax(logits, dim=-1)
+        beyond = sampling.outside(logits.detach(), cut, tokens)
+        logits = logits.masked_fill(beyond, sampling.OUTSIDE)
     log_z = torch.logsumexp(logits, dim=-1)  # [c]
     logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_z
     with torch.no_grad():
@@ -177,9 +189,11 @@ def _terms(head, hidden, tokens, scale: float, teacher):
     if teacher is None:
         return logp, entropy, None, None
     with torch.no_grad():  # the teacher is a constant (stop-gradient)
-        log_t = head(teacher).float()
+        log_t = _upcast(head(teacher))
         if scale != 1.0:
             log_t = log_t / scale
+        if beyond is not None:
+            log_t = log_t.masked_fill(beyond, sampling.OUTSIDE)
         log_t -= torch.logsumexp(log_t, dim=-1, keepdim=True)  # [c, V] teacher log-probs
         teacher_logp = log_t.gather(-1, tokens[:, None]).squeeze(-1)
         p_t = log_t.exp()
@@ -190,22 +204,28 @@ def _terms(head, hidden, tokens, scale: float, teacher):
     return logp, entropy, kl, teacher_logp
 
 
-def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=None, chunk: int | None = None) -> dict[str, torch.Tensor]:
+def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=None, chunk: int | None = None,
+                cut=None) -> dict[str, torch.Tensor]:
     """Per-token terms of the response, [B, R] each, 0 where `mask` [B, R] is False:
     `logp` (differentiable when `hidden` is), `entropy` (detached), and with `teacher` [B, R, Hd] (the dense
     forward's hidden states, held constant) `kl` = KL(teacher || student) over the full vocabulary
-    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1."""
+    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1. With `cut` [B, R] (the
+    rollout's `sampling_cut`, top-k / top-p) every term is over each token's sampling support instead of the
+    full vocabulary: the truncated, renormalised distributions (`smd_cli.sampling`)."""
     scale = 1.0 if temperature == 0 else float(temperature)
     rows = mask.reshape(-1).nonzero().squeeze(-1)  # real response tokens, flattened
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [n, Hd]
     flat_teacher = None if teacher is None else teacher.reshape(-1, teacher.shape[-1])[rows]
     flat_tokens = tokens.reshape(-1)[rows].long()
+    flat_cut = None if cut is None else cut.reshape(-1)[rows]
     step = chunk_tokens(head.weight.shape[0], chunk)
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
     pieces = []
     for start in range(0, rows.numel(), step):
         args = (head, flat_hidden[start : start + step], flat_tokens[start : start + step], scale,
                 None if flat_teacher is None else flat_teacher[start : start + step])
+        if flat_cut is not None:
+            args += (flat_cut[start : start + step],)
         pieces.append(checkpoint(_terms, *args, use_reentrant=False) if checkpointed else _terms(*args))
     names = ("logp", "entropy", "kl", "teacher_logp")
     out = {}
@@ -213,7 +233,7 @@ def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=No
         if teacher is None and name in ("kl", "teacher_logp"):
             continue
         values = torch.cat([p[k] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-        full = torch.zeros(mask.numel(), dtype=torch.float32, device=hidden.device)
+        full = torch.zeros(mask.numel(), dtype=values.dtype, device=hidden.device)
         full = full.index_put((rows,), values)  # out of place: keeps the graph to `values`
         out[name] = full.view(mask.shape) if name in ("logp", "kl") else full.view(mask.shape).detach()
     return out

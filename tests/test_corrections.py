@@ -156,6 +156,7 @@ def test_a_composition_needs_a_known_view_and_distils_only_the_shadow_view():
      "algo.correction._target_='smd_cli.eviction.snapkv.SnapKV' is not allowed: a subclass of smd_cli.corrections.base.Correction"),
     (["algo=tis", "algo.view=physical"], "algo.view='physical' is not allowed: one of dense, shadow"),
     (["algo=naive_sparse", "algo.distill=true"], "algo.distill=True is not allowed: false with algo.view=dense"),
+    (["algo=smd", "sampling.top_k=2.5"], "sampling.top_k=2.5 is not allowed: an integer >= 0"),
 ])
 def test_a_bad_composition_is_a_config_error(tmp_path, overrides, message):
     from smd_cli.stages import train

@@ -59,7 +59,7 @@ def rollouts(model, prompts):
 
 
 def diff(batch, logits, temperature=1.0):
-    logp = token_logprobs(logits, batch.input_ids[:, batch.prompt_length:], temperature)
+    logp = token_logprobs(logits, batch.input_ids[:, batch.prompt_length:], temperature, batch.sampling_cut)  # top-p: its support
     return (logp - batch.logprobs)[batch.response_mask].abs()
 
 
@@ -272,7 +272,7 @@ def small_vocab_model():
 def _returned(batch, generator):
     fields = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
               "logprobs": batch.logprobs, "evict_at": batch.evict_at, "visibility": batch.visibility,
-              "generator_after": torch.rand(8, generator=generator)}
+              "sampling_cut": batch.sampling_cut, "generator_after": torch.rand(8, generator=generator)}
     stats = {k: v for k, v in batch.stats.items() if k != "rollout/seconds"}
     return fields, stats
 

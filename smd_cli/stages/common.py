@@ -43,6 +43,11 @@ def check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
 
+def check_top_k(value: Any, key: str) -> None:
+    """`sampling.top_k`-like keys: an integer >= 0 (0 = no top-k)."""
+    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key, value, "an integer >= 0 (0 = no top-k)")
+
+
 def to_dict(cfg: DictConfig) -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 

@@ -21,8 +21,8 @@ from smd_cli import distributed, integrity, models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, compute_dtype, console, load_examples, load_model,
-                                  print_metrics, start_run)
+from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_top_k, compute_dtype, console, load_examples,
+                                  load_model, print_metrics, start_run)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -31,6 +31,7 @@ def validate(cfg: DictConfig) -> None:
     check(isinstance(e.batch_size, int) and e.batch_size >= 1, "eval.batch_size", e.batch_size, "an integer >= 1")
     check(isinstance(e.temperature, (int, float)) and e.temperature >= 0, "eval.temperature", e.temperature, ">= 0 (0 = greedy)")
     check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "in (0, 1]")
+    check_top_k(e.top_k, "eval.top_k")
     check(isinstance(e.max_new_tokens, int) and e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "an integer >= 1")
     if cfg.checkpoint is not None:
         checkpoint_dir(cfg.checkpoint)
@@ -91,7 +92,7 @@ def run(cfg: DictConfig) -> dict:
     console.print(f"eval: {task.name}/{split}, {len(examples)} examples, model={cfg.model.name} checkpoint={cfg.checkpoint}, "
                   f"eviction={'none' if policy is None else repr(policy)}, temperature={e.temperature}")
     rows, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
-                             policy=policy, temperature=float(e.temperature), top_p=float(e.top_p), seed=cfg.seed,
+                             policy=policy, temperature=float(e.temperature), top_p=float(e.top_p), top_k=e.top_k, seed=cfg.seed,
                              progress=cfg.progress)
     name = task.primary_metric.name if hasattr(task, "primary_metric") else "reward"
     summary.update({"metric_name": name, "metric": summary[name], "metric_stderr": summary[f"{name}_stderr"],

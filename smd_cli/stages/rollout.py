@@ -1,10 +1,11 @@
 """`smd rollout`: sample with an evicting KV cache and check that the learner can replay it.
 
 Samples `num_prompts` x `num_generations` responses with the chosen eviction policy, scores them with the
-task's reward, then scores the same tokens three ways (DESIGN.md section 3): the shadow replay and the
-physical-eviction learner (both must equal the sampler's log-probs) and the dense learner (the mismatch
-that naive sparse RL trains on). Writes `rollouts.jsonl` (token ids, log-probs, rewards, text),
-`shadow_masks.safetensors` (evict_at and the batch tensors) and `summary.json`.
+task's reward, then scores the same tokens three ways (DESIGN.md section 3; over the sampling support the
+rollout recorded, under top-k / top-p): the shadow replay and the physical-eviction learner (both must equal
+the sampler's log-probs) and the dense learner (the mismatch that naive sparse RL trains on). Writes
+`rollouts.jsonl` (token ids, log-probs, rewards, text), `shadow_masks.safetensors` (evict_at, the sampling
+support's cut and the batch tensors) and `summary.json`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.stages.common import build_policy, build_task, check, console, load_examples, load_model, print_metrics, start_run
+from smd_cli.stages.common import (build_policy, build_task, check, check_top_k, console, load_examples, load_model, print_metrics,
+                                  start_run)
 
 
 def validate(cfg: DictConfig) -> None:
@@ -27,19 +29,21 @@ def validate(cfg: DictConfig) -> None:
     check(isinstance(cfg.num_generations, int) and cfg.num_generations >= 1, "num_generations", cfg.num_generations, "an integer >= 1")
     check(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
+    check_top_k(s.top_k, "sampling.top_k")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
     check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
 
 
 @torch.no_grad()
 def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool = True, backend: str = "auto") -> dict[str, float]:
-    """Learner log-probs vs the sampler's, over the generated tokens: shadow, physical and dense."""
+    """Learner log-probs vs the sampler's, over the generated tokens: shadow, physical and dense (each over the
+    sampling support the rollout recorded, under top-k / top-p)."""
     tokens, mask = batch.input_ids[:, batch.prompt_length:], batch.response_mask
     args = (model, batch.input_ids, batch.attention_mask, batch.prompt_length)
 
     def logp(evict_at=None):
         hidden = response_hidden(*args, evict_at, backend)
-        return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature)["logp"][mask]
+        return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature, cut=batch.sampling_cut)["logp"][mask]
 
     sampler = batch.logprobs[mask]
     dense = logp()
@@ -50,7 +54,7 @@ def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool
         **mismatch_stats("mismatch/dense_", dense, sampler, torch.ones_like(dense, dtype=torch.bool)),
     }
     if physical and batch.evict_at is not None:
-        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature)[mask]
+        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature, batch.sampling_cut)[mask]
         report["parity/max_abs_diff_physical"] = float((physical_logp - sampler).abs().max())
     elif physical:
         report["parity/max_abs_diff_physical"] = report["parity/max_abs_diff_shadow"]
@@ -72,6 +76,8 @@ def save_rollouts(run_dir, batch: RolloutBatch, examples, rewards, texts, num_ge
                "response_mask": batch.response_mask, "logprobs": batch.logprobs}
     if batch.evict_at is not None:
         tensors["evict_at"] = batch.evict_at  # [N, L, Hkv, T] int32, DESIGN.md section 2
+    if batch.sampling_cut is not None:
+        tensors["sampling_cut"] = batch.sampling_cut  # [N, R] float32: the top-k / top-p support (smd_cli/sampling.py)
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(run_dir / "shadow_masks.safetensors"),
               metadata={"prompt_length": str(batch.prompt_length)})
 
@@ -87,7 +93,7 @@ def run(cfg: DictConfig) -> dict:
     prompts = [task.encode_prompt(e, tokenizer) for e in examples]
     console.print(f"rollout: {len(prompts)} rows ({cfg.num_prompts} prompts x {G}), eviction={policy!r}")
     batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,
-                     temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+                     temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                      generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
                      compile=cfg.sampling.get("compile", "auto"))

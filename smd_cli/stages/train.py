@@ -40,8 +40,8 @@ from smd_cli.losses import group_advantages
 from smd_cli.precision import build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
-from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, console, load_examples, load_model,
-                                  pick_device, start_run)
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_top_k, console, load_examples,
+                                  load_model, pick_device, start_run)
 from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, save_final, stop_diverged
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
@@ -70,6 +70,7 @@ def validate(cfg: DictConfig) -> None:
           cfg.guard.collapse_steps, "an integer >= 0 (0: no collapse guard)")
     check(s.temperature > 0, "sampling.temperature", s.temperature, "> 0 for GRPO sampling (0 is greedy: no exploration)")
     check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
+    check_top_k(s.top_k, "sampling.top_k")
     check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
     check(s.get("batch_size") is None or s.batch_size >= 1, "sampling.batch_size", s.get("batch_size"), "null (all at once) or >= 1")
     check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
@@ -186,7 +187,7 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
             policy = eval_policy(cfg) if prefix == "eval/evict" else None  # fresh: the same random choices every time
             _, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=cfg.sampling.max_new_tokens,
                                   batch_size=cfg.eval.batch_size, temperature=temperature, top_p=cfg.sampling.top_p,
-                                  policy=policy, seed=cfg.seed + 1, progress=cfg.progress)
+                                  top_k=cfg.sampling.top_k, policy=policy, seed=cfg.seed + 1, progress=cfg.progress)
             out[f"{prefix}/{key}_{when}"] = summary["reward"]
             if key == "reward":
                 metrics = getattr(task, "metric_list", ())
@@ -315,8 +316,8 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
     chunk = s.batch_size or len(prompts)  # sequences decoded at once: bounds the rollout's KV memory
     batch = concat_rollouts([
         generate(model, prompts[i : i + chunk], policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                 top_p=s.top_p, noise=noise[i : i + chunk], eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                 measure_dense_kv=False, compile=s.get("compile", "auto"))
+                 top_p=s.top_p, top_k=s.top_k, noise=noise[i : i + chunk], eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False, compile=s.get("compile", "auto"))
         for i in range(0, len(prompts), chunk)
     ], tokenizer.pad_token_id)
     batch.stats.update(evidence_kept(task, batch, examples, prompts))
