@@ -22,7 +22,8 @@ RECIPES_DIR = ROOT / "recipes"
 STAGES = {
     "prepare-data": ("prepare_data", "prepare_data", "materialise a task's prompts and references (jsonl) with length statistics"),
     "rollout": ("rollout", "rollout", "sample with an evicting KV cache; record shadow masks; parity and memory report"),
-    "train": ("train", "train", "GRPO training: dense, naive_sparse, sparse_rl, tis or smd"),
+    "check-parity": ("check_parity", "check_parity", "the lr = 0 protocol: learner log-probs vs the sampler's, per policy and view"),
+    "train": ("train", "train", "GRPO training: dense, naive_sparse, sparse_rl, tis, mis, icepop, trm or smd"),
     "eval": ("evaluate", "eval", "evaluate a checkpoint or base model on a task's test split"),
     "ablate": ("ablate", "ablate", "sweep train+eval over values, then one table and one plot"),
     "plan": ("plan", "plan", "predict each phase's peak memory of a train config; what fits a GPU"),
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from smd_cli.integrity import release_all
     from smd_cli.learner import TrainingDiverged
+    from smd_cli.parity import ParityFailed
     from smd_cli.stages.common import ConfigError
 
     register_recipes()
@@ -91,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         except TrainingDiverged as err:
             console.print(f"[red]training diverged:[/red] {err}")
+            raise SystemExit(1) from None
+        except ParityFailed as err:
+            console.print(f"[red]parity check failed:[/red] {err}")
             raise SystemExit(1) from None
         except OSError as err:
             if err.errno != errno.ENOSPC:

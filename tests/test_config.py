@@ -22,7 +22,7 @@ def hydra_conf():
 
 
 def test_the_config_tree_is_what_we_think():
-    assert PRIMARY == ["ablate", "eval", "plan", "prepare_data", "reproduce", "rollout", "train"]
+    assert PRIMARY == ["ablate", "check_parity", "eval", "plan", "prepare_data", "reproduce", "rollout", "train"]
     groups = {}
     for p in GROUP_FILES:
         groups.setdefault(p.parent.name, []).append(p.stem)

@@ -1,0 +1,136 @@
+"""The lr = 0 protocol that validates a sampler/learner pair: the learner's log-probs at the sampler's own weights.
+
+RL frameworks check that the learner scores a rollout as the sampler did by taking a training step that changes
+nothing (learning rate 0) and comparing its log-probs with the sampler's (prime-rl's check requires a mismatch
+KL under 0.015; ../shared/REFERENCES.md section 9). Here each learner view of one evicting rollout is compared
+with the sampler's log-probs on every real response token (over the sampling support when top-k / top-p
+truncated it):
+- `shadow`: `learner_step` at lr = 0 with the shadow replay (SMD's view): must equal the sampler;
+- `dense`: `learner_step` at lr = 0 with the dense view: the mismatch a dense learner trains with (reported,
+  not judged);
+- `physical`: the physical-eviction learner (`smd_cli.physical`): must equal the sampler;
+- `shadow_float64`: the shadow replay with the model and the replay in float64 (no gradient). Float32 rounding
+  is gone from the learner's side there, so it separates the two ways a view can miss the sampler: a mask or
+  KV error (the replay is not what the sampler attended to) survives float64; float32 rounding does not
+  (DESIGN.md section 6). What is left of the sampler's own float32 rounding is of the order of the learner's,
+  measured on the same batch (`rounding`: the largest |float32 replay - float64 replay|), so a float64 miss
+  beyond `bound` and beyond ROUNDING_FACTOR times that is a mask error.
+The check fails (the caller raises `ParityFailed`) when the shadow or physical view misses the sampler beyond
+`bound`, or the float64 replay shows a mask error; the verdict says which of the two explains a miss.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from smd_cli.corrections.none import NoCorrection
+from smd_cli.learner import Algorithm, learner_step
+from smd_cli.losses import mismatch_stats, token_logprobs
+from smd_cli.physical import physical_response_logits
+from smd_cli.rollout import RolloutBatch
+from smd_cli.scoring import response_hidden, vocab_terms
+
+JUDGED = ("shadow", "physical")  # the float32 views that must give the sampler's log-probs within the bound
+ROUNDING_FACTOR = 10.0  # a float64 replay missing the sampler by more than this times float32 rounding: a mask error
+
+
+class ParityFailed(RuntimeError):
+    """A learner view that must equal the sampler's log-probs does not, beyond the bound."""
+
+
+@dataclass
+class Settings:
+    """How the learner scores (the train stage's knobs of the same names) and what is checked."""
+
+    temperature: float = 1.0
+    micro_batch_size: int | None = None
+    logits_chunk: int | None = None
+    replay_backend: str = "auto"
+    physical: bool = True
+    float64: bool = True
+
+
+def _stats(logp: torch.Tensor, batch: RolloutBatch) -> dict[str, float]:
+    found = mismatch_stats("", logp.double(), batch.logprobs.double(), batch.response_mask)
+    return {"max_abs_diff": found["max_abs_diff"], "mean_abs_diff": found["mean_abs_diff"], "kl_k3": found["kl_k3"]}
+
+
+def learner_at_lr_zero(model, batch: RolloutBatch, view: str, settings: Settings) -> dict[str, float]:
+    """`learner_step` in `view` with a learning rate of 0 (the weights stay bit for bit): its own mismatch
+    statistics against the sampler, from the very forward the training step runs."""
+    algo = Algorithm(f"parity/{view}", view=view, correction=NoCorrection(), distill=False, temperature=settings.temperature,
+                     micro_batch_size=settings.micro_batch_size, logits_chunk=settings.logits_chunk,
+                     replay_backend=settings.replay_backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    metrics = learner_step(model, torch.optim.SGD(params, lr=0.0), batch, torch.zeros(batch.input_ids.shape[0]), algo)
+    for p in params:
+        p.grad = None
+    return {key: metrics[f"mismatch/{key}"] for key in ("max_abs_diff", "mean_abs_diff", "kl_k3")}
+
+
+@torch.no_grad()
+def physical_view(model, batch: RolloutBatch, temperature: float) -> dict[str, float]:
+    tokens = batch.input_ids[:, batch.prompt_length:]
+    logits = physical_response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
+    return _stats(token_logprobs(logits, tokens, temperature, batch.sampling_cut), batch)
+
+
+@torch.no_grad()
+def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None) -> torch.Tensor:
+    hidden = response_hidden(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at, "sdpa")
+    return vocab_terms(model.get_output_embeddings(), hidden, batch.input_ids[:, batch.prompt_length:], batch.response_mask,
+                       temperature, chunk=logits_chunk, cut=batch.sampling_cut)["logp"]
+
+
+def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None) -> dict[str, float]:
+    """The shadow replay with a float64 copy of `model` (SDPA, no gradient) against the sampler, and `rounding`:
+    the largest |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale
+    at which the sampler's float32 log-probs are rounded too."""
+    narrow = _replay_logp(model, batch, temperature, logits_chunk)
+    wide = copy.deepcopy(model).double()
+    logp = _replay_logp(wide, batch, temperature, logits_chunk)
+    del wide
+    rounding = float((narrow.double() - logp)[batch.response_mask].abs().max()) if batch.response_mask.any() else 0.0
+    return {**_stats(logp, batch), "rounding": rounding}
+
+
+def mask_error(views: dict, bound: float) -> bool:
+    """Whether the float64 replay misses the sampler by more than rounding explains: beyond `bound` and beyond
+    ROUNDING_FACTOR times the learner's own float32 rounding (the sampler's is of the same order)."""
+    wide = views.get("shadow_float64")
+    return wide is not None and wide["max_abs_diff"] > max(bound, ROUNDING_FACTOR * wide["rounding"])
+
+
+def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:
+    """Every view's statistics against the sampler (`views`), whether the check passed (`passed`: every judged
+    view within `bound`, and no mask error read off the float64 replay), the failing views (`failed`) and a
+    one-line `verdict`. Dense rollouts (no shadow mask) have no physical view."""
+    views = {"shadow": learner_at_lr_zero(model, batch, "shadow", settings),
+             "dense": learner_at_lr_zero(model, batch, "dense", settings)}
+    if settings.physical and batch.evict_at is not None:
+        views["physical"] = physical_view(model, batch, settings.temperature)
+    if settings.float64:
+        views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk)
+    failed = [v for v in JUDGED if v in views and not views[v]["max_abs_diff"] <= bound]
+    if mask_error(views, bound):
+        failed.append("shadow_float64")
+    return {"views": views, "passed": not failed, "failed": failed, "verdict": verdict(views, failed, bound)}
+
+
+def verdict(views: dict, failed: list[str], bound: float) -> str:
+    """What a failure means, read off the float64 replay."""
+    if not failed:
+        return f"every learner view that must give the sampler's log-probs does, within {bound:g}"
+    worst = ", ".join(f"{v} {views[v]['max_abs_diff']:.3g}" for v in failed)
+    wide = views.get("shadow_float64")
+    if wide is None:
+        return f"beyond the bound {bound:g}: {worst} (run the float64 replay to tell a mask error from rounding)"
+    if mask_error(views, bound):
+        return (f"beyond the bound {bound:g}: {worst}; the float64 replay misses the sampler too ({wide['max_abs_diff']:.3g}, "
+                f"float32 rounding is {wide['rounding']:.3g}): the replay is not what the sampler attended to, a mask or KV "
+                "error (does the policy only drop entries, and does the rollout record all it dropped?)")
+    return (f"beyond the bound {bound:g}: {worst}; the float64 replay is within float32 rounding of the sampler "
+            f"({wide['max_abs_diff']:.3g}, rounding {wide['rounding']:.3g}): rounding, not a mask error (raise the bound)")

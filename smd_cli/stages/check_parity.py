@@ -1,0 +1,107 @@
+"""`smd check-parity`: the lr = 0 protocol of a sampler/learner pair, per eviction policy (`smd_cli.parity`).
+
+For each policy (the composed `eviction`, every option of conf/eviction/, or a list), samples `num_prompts` x
+`num_generations` responses with it, then scores them with the learner at the sampler's own weights in each view:
+`learner_step` at learning rate 0 with the shadow replay and with the dense view, the physical-eviction learner,
+and the shadow replay in float64. Writes `parity.json` (the bound, and per policy every view's largest and mean
+|log p_view - log p_sampler| and k3 KL, whether it passed and why not) and `summary.json`, prints a table, and
+exits 1 (`ParityFailed`) when a view that must equal the sampler misses it by more than `parity.bound`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, ListConfig
+from rich.table import Table
+
+from smd_cli.io import write_json
+from smd_cli.parity import JUDGED, ParityFailed, Settings, check
+from smd_cli.rollout import generate
+from smd_cli.stages.common import (ROOT, build_policy, build_task, check as check_value, check_top_k, console, load_examples, load_model,
+                                  start_run, to_dict)
+
+VIEWS = ("shadow", "physical", "shadow_float64", "dense")  # the table's columns
+
+
+def validate(cfg: DictConfig) -> None:
+    s, p = cfg.sampling, cfg.parity
+    check_value(isinstance(cfg.num_prompts, int) and cfg.num_prompts >= 1, "num_prompts", cfg.num_prompts, "an integer >= 1")
+    check_value(isinstance(cfg.num_generations, int) and cfg.num_generations >= 1, "num_generations", cfg.num_generations,
+                "an integer >= 1")
+    check_value(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
+    check_value(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
+    check_top_k(s.top_k, "sampling.top_k")
+    check_value(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens,
+                "an integer >= 1")
+    check_value(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
+    check_value(isinstance(p.bound, (int, float)) and math.isfinite(p.bound) and p.bound > 0, "parity.bound", p.bound,
+                "a finite number > 0 (the largest |log p_view - log p_sampler| allowed)")
+    for key in ("physical", "float64"):
+        check_value(isinstance(p[key], bool), f"parity.{key}", p[key], "true or false")
+    check_value(p.micro_batch_size is None or (isinstance(p.micro_batch_size, int) and p.micro_batch_size >= 1),
+                "parity.micro_batch_size", p.micro_batch_size, "null or an integer >= 1")
+    check_value(p.logits_chunk is None or (isinstance(p.logits_chunk, int) and p.logits_chunk >= 1), "parity.logits_chunk",
+                p.logits_chunk, "null or an integer >= 1")
+    check_value(cfg.model.replay in ("auto", "sdpa", "flex"), "model.replay", cfg.model.replay, "auto, sdpa or flex")
+    policies = cfg.policies
+    check_value(policies is None or policies == "all" or (isinstance(policies, (list, ListConfig)) and policies
+                and all(isinstance(name, str) for name in policies)), "policies", policies,
+                "null (the composed eviction), all, or a list of conf/eviction/ option names")
+
+
+def policies(cfg: DictConfig) -> list[tuple[str, object]]:
+    """(name, policy) to check: the composed `eviction`, every conf/eviction/ option, or the listed ones."""
+    if cfg.policies is None:
+        choices = HydraConfig.get().runtime.choices if HydraConfig.initialized() else {}
+        return [(choices.get("eviction") or str(cfg.eviction._target_).rsplit(".", 1)[-1], build_policy(cfg))]
+    names = sorted(p.stem for p in (ROOT / "conf" / "eviction").glob("*.yaml")) if cfg.policies == "all" else list(cfg.policies)
+    return [(name, build_policy(cfg, name)) for name in names]
+
+
+def run(cfg: DictConfig) -> dict:
+    validate(cfg)
+    run_ = start_run(cfg)
+    task = build_task(cfg)
+    chosen = policies(cfg)  # a wrong option is named before the model is built
+    model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
+    G, s, p = cfg.num_generations, cfg.sampling, cfg.parity
+    examples = [e for e in load_examples(task, cfg.split, cfg.num_prompts) for _ in range(G)]
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    settings = Settings(temperature=float(s.temperature), micro_batch_size=p.micro_batch_size, logits_chunk=p.logits_chunk,
+                        replay_backend=cfg.model.replay, physical=p.physical, float64=p.float64)
+    results = {}
+    for name, policy in chosen:
+        batch = generate(model, prompts, policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                         top_k=s.top_k, generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
+                         measure_dense_kv=False, compile=s.get("compile", "auto"))
+        found = check(model, batch, settings, float(p.bound))
+        results[name] = {"target": f"{type(policy).__module__}.{type(policy).__name__}", "rows": len(prompts),
+                         "tokens": int(batch.response_mask.sum()), "kv/kept_fraction": batch.stats["kv/kept_fraction"],
+                         "sampling_support": batch.sampling_cut is not None, **found}
+    report = {"bound": float(p.bound), "passed": all(r["passed"] for r in results.values()), "judged": list(JUDGED),
+              "model": cfg.model.name, "task": task.name, "compression": float(cfg.compression), "seed": cfg.seed,
+              "sampling": to_dict(s), "policies": results}
+    write_json(run_.dir / "parity.json", report)
+    summary = {"parity/passed": float(report["passed"]), **{f"parity/{n}/{v}_max_abs_diff": r["views"][v]["max_abs_diff"]
+                                                           for n, r in results.items() for v in VIEWS if v in r["views"]}}
+    write_json(run_.dir / "summary.json", summary)
+    print_table(report, run_.dir)
+    if not report["passed"]:
+        failed = "; ".join(f"{n}: {r['verdict']}" for n, r in results.items() if not r["passed"])
+        raise ParityFailed(f"{failed} ({run_.dir / 'parity.json'})")
+    return report
+
+
+def print_table(report: dict, run_dir) -> None:
+    table = Table(title=f"smd check-parity: max |log p_view - log p_sampler|, bound {report['bound']:g} (dense: reported, "
+                        f"not judged): {run_dir}")
+    for column in ("policy", *VIEWS, "passed"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for name, r in report["policies"].items():
+        views = r["views"]
+        table.add_row(name, *(f"{views[v]['max_abs_diff']:.2e}" if v in views else "-" for v in VIEWS), "yes" if r["passed"] else "NO")
+    console.print(table)
