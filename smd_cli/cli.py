@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             console.print(f"[red]training diverged:[/red] {err}")
             raise SystemExit(1) from None
         except ParityFailed as err:
-            console.print(f"[red]parity check failed:[/red] {err}")
+            console.print(f"[red]parity check failed:[/red] {err}", soft_wrap=True)
             raise SystemExit(1) from None
         except OSError as err:
             if err.errno != errno.ENOSPC:
