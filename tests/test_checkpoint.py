@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from smd_cli import checkpoint as ckpt
 from smd_cli import learner
+from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.cli import CONF_DIR, register_recipes
 from smd_cli.io import read_jsonl
 from smd_cli.learner import TrainingDiverged
@@ -171,13 +172,13 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, cache, m
 
 @pytest.mark.slow
 def test_empty_batches_after_rejection_are_skipped_and_counted(tmp_path, cache, monkeypatch):
-    weights = learner.sparse_rl_weights
+    weights = sparse_rl_correction.sparse_rl_weights  # what the learner's Sparse-RL correction calls
 
     def reject_all(*args, **kwargs):
         w, keep, stats = weights(*args, **kwargs)
         return w, torch.zeros_like(keep), stats
 
-    monkeypatch.setattr(learner, "sparse_rl_weights", reject_all)
+    monkeypatch.setattr(sparse_rl_correction, "sparse_rl_weights", reject_all)
     run = tmp_path / "run"
     summary = train_run(run, cache, "algo=sparse_rl", "eviction=snapkv", "steps=2")
     assert summary["train/skipped_steps"] == 2 and summary["status"] == "completed"

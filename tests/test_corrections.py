@@ -168,3 +168,21 @@ def test_a_bad_composition_is_a_config_error(tmp_path, overrides, message):
         train.run(cfg)
     assert message in str(err.value)
     assert not (tmp_path / "config.json").exists()  # named before anything was written
+
+
+def test_a_correction_trains_through_the_stage_and_reports_what_it_masked(tmp_path):
+    """`smd train algo=icepop`: each step's metrics say what it masked; the summary holds their means."""
+    import json
+
+    from smd_cli.stages import train
+
+    overrides = ["algo=icepop", "steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=4",
+                 "task.prompt_tokens=48", "model.warmstart.steps=5", "progress=false", "device=cpu",
+                 f"+run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        summary = train.run(compose("train", overrides=overrides))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    fractions = [r["rollout_corr/masked_token_frac"] for r in rows]
+    assert len(rows) == 2 and all(0 <= f <= 1 for f in fractions) and all("rollout_corr/masked_seq_frac" in r for r in rows)
+    assert summary["train/rollout_corr/masked_token_frac_mean"] == pytest.approx(sum(fractions) / 2)
+    assert summary["status"] == "completed"

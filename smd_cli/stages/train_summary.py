@@ -11,11 +11,12 @@ from smd_cli.stages.common import console
 
 def run_statistics(path) -> dict[str, float]:
     """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
-    the learner's own view and of a dense learner, and the mean KV and answer-bearing KV kept."""
+    the learner's own view and of a dense learner, the mean KV and answer-bearing KV kept, and the mean fractions
+    of tokens and sequences a rollout correction masked (MIS, IcePop, TRM)."""
     rows = read_jsonl(path) if path.is_file() else []
     out = {}
     for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
-                        ("evidence/kept", None)):
+                        ("evidence/kept", None), ("rollout_corr/masked_token_frac", None), ("rollout_corr/masked_seq_frac", None)):
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if values:
             out[f"train/{key}" + ("_max" if reduce else "_mean")] = reduce(values) if reduce else sum(values) / len(values)
