@@ -1,27 +1,42 @@
 """Statistics over seeds: means with standard errors, and the verdict rules of the reproduction's claims.
 
-A cell of a table is the mean over the seeds (runs) that finished, with its standard error
-`s / sqrt(n)` (s the sample standard deviation, n - 1 in the denominator; none below two runs). Two cells
-are compared through their paired difference (`difference`): d, the mean over the seeds both have of the
-per-seed differences `a_s - b_s`, and se(d) its standard error (a seed's runs share their warm start, prompts
-and sampling, so the spread between warm starts cancels out); a claim's verdict follows from where the
-interval `d +- Z se(d)` lies (Z = 2, about 95 %):
+A cell of a table is the mean over the seeds (runs) that have results, with its standard error `s / sqrt(n)`
+(s the sample standard deviation, n - 1 in the denominator; none below two runs). Two cells are compared
+through their paired difference (`difference`): d, the mean over the seeds both have of the per-seed
+differences `a_s - b_s`, and se(d) its standard error (a seed's runs share their warm start, prompts and
+sampling, so the spread between warm starts cancels out). A claim's verdict follows from the t statistic
+T = d / se(d) (for parity within a margin m, T = (d + m) / se(d)) against a critical value c, the Student t
+quantile with n - 1 degrees of freedom at one-sided level alpha (with 3 seeds, 2 degrees of freedom, c is 4.30
+at alpha = 0.025, not the normal's 1.96: a rule of "2 standard errors" says "holds" for 9 % of true nulls):
 
-- ordering ("a > b"): holds if `d - Z se > 0`, does not hold if `d + Z se < 0`, else inconclusive;
-- parity within a margin m ("a matches b"): holds if `d - Z se >= -m` (a is not worse than b by m),
-  does not hold if `d + Z se < -m` (a is worse by more than m), else inconclusive;
-- a bound ("x <= t"): holds if `x + Z se <= t`, does not hold if `x - Z se > t`, else inconclusive.
-With a single seed (no standard error) every comparison of two cells is inconclusive: one run proves
-nothing. A bound on a number measured once without noise (a memory ratio) compares the number itself.
+- ordering ("a > b"): holds if `T > c`, does not hold if `T < -c`, else inconclusive;
+- parity within a margin m ("a matches b"): holds if `(d + m) / se >= c` (a is not worse than b by m),
+  does not hold if `(d + m) / se < -c` (a is worse by more than m), else inconclusive;
+- a bound ("x <= t"): holds if `x + c se <= t`, does not hold if `x - c se > t`, else inconclusive.
+With a single seed (no standard error) every comparison of two cells is inconclusive: one run proves nothing.
+A bound on a number measured once without noise (a memory ratio) compares the number itself.
+
+Seeds until decided (`Sequential`): a comparison is looked at when n_1, n_2, ..., n_K seeds are in (the last,
+the cap), and stops at the first look whose T crosses that look's critical value. The one-sided error alpha is
+split over the looks in advance, alpha_k the increments of the Lan-DeMets O'Brien-Fleming-type spending
+function alpha(tau) = 2 - 2 Phi(z_{1 - alpha / 2} / sqrt(tau)), tau = n_k / n_K (little at the first looks,
+most at the cap), and look k uses the t quantile at 1 - alpha_k. By the union bound (Bonferroni over the looks)
+the chance that any look says "holds" when the true difference is 0 is at most sum(alpha_k) = alpha, whatever
+the dependence between looks and whenever the comparison stops: the rule stays valid under optional stopping.
+A comparison still inconclusive at the cap reports the smallest true difference its last look would have
+detected with probability `power` (`Decision.detectable`), and the seeds a decision would need.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
-Z = 2.0
+Z = 2.0  # the old rule's multiplier, kept only to show (tests) why it was replaced
+ALPHA = 0.025  # one-sided error of each verdict, each direction (a two-sided 95 % interval)
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+USABLE = ("ok", "collapsed")  # run statuses with held-out results: a collapsed policy is an outcome, not a failure
 
 
 @dataclass(frozen=True)
@@ -54,16 +69,17 @@ def cell(values) -> Cell:
 
 
 def aggregate(rows: list[dict], keys: list[str], metrics: list[str]) -> list[dict]:
-    """Rows grouped by the values of `keys` (in first-seen order): per metric the mean over the group's finished
-    runs (status "ok") that report it and its standard error (`"{metric} se"`), with `runs` (in the group) and
-    `n` (finished)."""
+    """Rows grouped by the values of `keys` (in first-seen order): per metric the mean over the group's runs with
+    results (status "ok" or "collapsed") that report it and its standard error (`"{metric} se"`), with `runs` (in the
+    group), `n` (with results) and `collapsed` (how many of those collapsed)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r.get(k) for k in keys), []).append(r)
     out = []
     for values, members in groups.items():
-        done = [r for r in members if r["status"] == "ok"]
-        group = {**dict(zip(keys, values)), "runs": len(members), "n": len(done)}
+        done = [r for r in members if r["status"] in USABLE]
+        group = {**dict(zip(keys, values)), "runs": len(members), "n": len(done),
+                 "collapsed": sum(r["status"] == "collapsed" for r in done)}
         for m in metrics:
             c = cell(r.get(m) for r in done)
             group[m], group[f"{m} se"] = c.mean, c.se
@@ -78,28 +94,206 @@ def difference(a: dict, b: dict) -> Cell:
     return cell(a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None)
 
 
-def greater(d: Cell) -> str:
-    """Is a > b, given their difference d = a - b?"""
+# --- the Student t and normal distributions (no scipy: exact finite sums for integer degrees of freedom) ---
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with an integer `df` >= 1 (Abramowitz & Stegun 26.7.3-4, exact finite sums)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2 == 0:  # sin(theta) * (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        inside = s * total
+    else:  # 2/pi (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ... up to c^(df-3)))
+        total = 0.0
+        if df > 1:
+            term, total = 1.0, 1.0
+            for k in range(1, (df - 1) // 2):
+                term *= c2 * (2 * k) / (2 * k + 1)
+                total += term
+        inside = 2 / math.pi * (theta + s * math.cos(theta) * total)
+    return 0.5 + math.copysign(inside / 2, t)
+
+
+def normal_cdf(z: float) -> float:
+    return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+
+def _invert(cdf, p: float) -> float:
+    """x with cdf(x) = p, by bisection (cdf increasing, symmetric about 0)."""
+    if not 0 < p < 1:
+        raise ValueError(f"a quantile needs 0 < p < 1, got {p}")
+    if p < 0.5:
+        return -_invert(cdf, 1 - p)
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        lo, hi = hi, hi * 2
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+        if hi - lo <= 1e-12 * hi:
+            break
+    return (lo + hi) / 2
+
+
+@lru_cache(maxsize=4096)
+def t_quantile(p: float, df: int) -> float:
+    return _invert(lambda x: t_cdf(x, df), p)
+
+
+@lru_cache(maxsize=256)
+def normal_quantile(p: float) -> float:
+    return _invert(normal_cdf, p)
+
+
+# --- the verdict rules ---
+
+def critical(n: int, alpha: float = ALPHA) -> float | None:
+    """The critical value of a one-sided test at level `alpha` with n seeds (None below 2: no standard error)."""
+    return t_quantile(1 - alpha, n - 1) if n >= 2 else None
+
+
+def _t_verdict(distance: float, se: float, c: float, strict: bool = True) -> str:
+    """holds if distance / se crosses +c, does not hold if it crosses -c (se 0: the sign of the distance decides)."""
+    if se == 0:
+        return HOLDS if distance > 0 or (distance == 0 and not strict) else FAILS if distance < 0 else INCONCLUSIVE
+    t = distance / se
+    return HOLDS if (t > c if strict else t >= c) else FAILS if t < -c else INCONCLUSIVE
+
+
+def greater(d: Cell, alpha: float = ALPHA) -> str:
+    """Is a > b, given their difference d = a - b (one look, t critical value at `alpha`)?"""
     if d.mean is None or d.se is None:
         return INCONCLUSIVE
-    return HOLDS if d.mean - Z * d.se > 0 else FAILS if d.mean + Z * d.se < 0 else INCONCLUSIVE
+    return _t_verdict(d.mean, d.se, critical(d.n, alpha))
 
 
-def not_worse(d: Cell, margin: float) -> str:
+def not_worse(d: Cell, margin: float, alpha: float = ALPHA) -> str:
     """Does a match b within `margin` (a not worse by more than the margin), given d = a - b?"""
     if d.mean is None or d.se is None:
         return INCONCLUSIVE
-    return HOLDS if d.mean - Z * d.se >= -margin else FAILS if d.mean + Z * d.se < -margin else INCONCLUSIVE
+    return _t_verdict(d.mean + margin, d.se, critical(d.n, alpha), strict=False)
 
 
-def at_most(x: Cell, bound: float) -> str:
+def at_most(x: Cell, bound: float, alpha: float = ALPHA) -> str:
     """Is x <= bound? (A number without a standard error, e.g. a deterministic memory ratio, is taken as exact.)"""
     if x.mean is None:
         return INCONCLUSIVE
-    se = x.se or 0.0
-    return HOLDS if x.mean + Z * se <= bound else FAILS if x.mean - Z * se > bound else INCONCLUSIVE
+    if x.se is None:
+        return HOLDS if x.mean <= bound else FAILS
+    return _t_verdict(bound - x.mean, x.se, critical(x.n, alpha), strict=False)
 
 
-def at_least(x: Cell, bound: float) -> str:
+def at_least(x: Cell, bound: float, alpha: float = ALPHA) -> str:
     """Is x >= bound? (As `at_most`, mirrored.)"""
-    return at_most(Cell(None if x.mean is None else -x.mean, x.se, x.n), -bound)
+    return at_most(Cell(None if x.mean is None else -x.mean, x.se, x.n), -bound, alpha)
+
+
+@dataclass(frozen=True)
+class Sequential:
+    """Seeds until decided: looks at `looks` seeds (increasing; the last is the cap), one-sided error `alpha` per
+    direction over all looks, split by O'Brien-Fleming-type spending (module docstring). `power`: for the
+    detectable difference of a comparison that reaches the cap undecided."""
+
+    looks: tuple[int, ...] = (3,)
+    alpha: float = ALPHA
+    power: float = 0.8
+
+    def __post_init__(self):
+        looks = tuple(int(n) for n in self.looks)
+        if not looks or looks[0] < 1 or any(b <= a for a, b in zip(looks, looks[1:])):
+            raise ValueError(f"looks must be increasing seed counts >= 1, got {list(self.looks)}")
+        if not 0 < self.alpha < 0.5 or not 0 < self.power < 1:
+            raise ValueError(f"need 0 < alpha < 0.5 and 0 < power < 1, got alpha={self.alpha}, power={self.power}")
+        object.__setattr__(self, "looks", looks)
+
+    @property
+    def cap(self) -> int:
+        return self.looks[-1]
+
+    def spend(self) -> list[float]:
+        """alpha_k of each look: increments of alpha(tau) = 2 - 2 Phi(z_{1-alpha/2} / sqrt(tau)), summing to alpha."""
+        return list(_spend(self.looks, self.alpha))
+
+    def split(self, parts: int) -> "Sequential":
+        """The same looks at alpha / parts (Bonferroni over a claim made of `parts` comparisons)."""
+        return replace(self, alpha=self.alpha / parts)
+
+    def next_look(self, n: int) -> int | None:
+        """The seed count of the first look after n seeds, None at or past the cap."""
+        return next((m for m in self.looks if m > n), None)
+
+
+@lru_cache(maxsize=64)
+def _spend(looks: tuple[int, ...], alpha: float) -> tuple[float, ...]:
+    z = normal_quantile(1 - alpha / 2)
+    spent = [2 - 2 * normal_cdf(z / math.sqrt(n / looks[-1])) for n in looks]
+    return tuple(b - a for a, b in zip([0.0, *spent], spent))
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A comparison judged by `Sequential`: its verdict, the look that gave it (its seed count), the paired
+    difference there, that look's critical value, whether a later look can still decide (`pending`), and for a
+    comparison inconclusive at the cap the smallest detectable difference and the seeds a decision would need."""
+
+    verdict: str
+    seeds: int  # seeds the deciding (or last) look used
+    d: Cell  # the paired difference at that look
+    critical: float | None
+    pending: bool = False
+    detectable: float | None = None
+    seeds_needed: int | None = None
+
+
+def sequential(diffs: list[float | None], rule: Sequential, margin: float | None = None) -> Decision:
+    """Judge the per-seed differences a_s - b_s, in seed order (None where a seed has no pair), look by look.
+
+    Look k uses the first `rule.looks[k]` seeds and is judged once that many seeds were run (`len(diffs)`); the first
+    look that crosses its critical value decides (`greater`'s test, or with `margin` `not_worse`'s). Undecided,
+    the decision is pending while a look remains, else inconclusive at the cap with `detectable` (the smallest
+    true difference, or distance from -margin, that the last look detects with probability `rule.power`) and
+    `seeds_needed` (fixed-sample t test at `rule.alpha` and `rule.power` for the observed difference)."""
+    spend = rule.spend()
+    shift = margin or 0.0
+    last = None
+    for k, n in enumerate(rule.looks):
+        if len(diffs) < n:
+            break
+        d = cell(diffs[:n])
+        c = critical(d.n, spend[k])
+        last = (n, d, c)
+        if d.se is not None:
+            verdict = _t_verdict(d.mean + shift, d.se, c, strict=margin is None)
+            if verdict != INCONCLUSIVE:
+                return Decision(verdict, n, d, c)
+    if last is None:  # not even the first look's seeds
+        return Decision(INCONCLUSIVE, len(diffs), cell(diffs), None, pending=True)
+    n, d, c = last
+    if n < rule.cap:
+        return Decision(INCONCLUSIVE, n, d, c, pending=True)
+    detectable = None if d.se is None else (c + t_quantile(rule.power, d.n - 1)) * d.se
+    return Decision(INCONCLUSIVE, n, d, c, detectable=detectable, seeds_needed=seeds_needed(d, shift, rule))
+
+
+def seeds_needed(d: Cell, shift: float, rule: Sequential, most: int = 10_000) -> int | None:
+    """Seeds for a fixed-sample one-sided t test at `rule.alpha` to decide a true difference of d's size (its mean
+    + shift, its standard deviation s) with probability `rule.power`: the least n with
+    (t_{1-alpha, n-1} + t_{power, n-1}) s / sqrt(n) <= |mean + shift|; None when that is 0 (or s is) or past `most`."""
+    if d.mean is None or d.se is None:
+        return None
+    effect, sd = abs(d.mean + shift), d.se * math.sqrt(d.n)
+    if effect == 0 or sd == 0:  # undecided with no spread: a difference of exactly 0, which no seed count decides
+        return None
+    n = 2
+    while n <= most:
+        if (t_quantile(1 - rule.alpha, n - 1) + t_quantile(rule.power, n - 1)) * sd / math.sqrt(n) <= effect:
+            return n
+        n = n + 1 if n < 64 else int(n * 1.1)
+    return None
