@@ -1,7 +1,11 @@
 """The tables and plots of a sweep (`smd ablate`): one row per run, and means over seeds.
 
 Rows are plain dicts (`run`, the swept keys, `status`, `error`, the chosen summary metrics, `dir`); a failed
-run is shown with its reason and never drawn as a 0. Library code: no Hydra.
+run is shown with its reason and never drawn as a 0. The console tables name the metrics by short labels
+(`label`: "evict after" for eval/evict/reward_after, the key in the caption) so that a 140-column terminal wraps
+them between words; the CSVs and markdown keep the keys. The plots show both held-out evaluations, with a dense
+KV cache and under eviction, after training (and before, as marks), with standard-error bars over the seeds.
+Library code: no Hydra.
 """
 
 from __future__ import annotations
@@ -17,6 +21,24 @@ from rich.table import Table
 from smd_cli.io import read_jsonl, write_atomic
 
 console = Console(width=None if sys.stdout.isatty() else 140)
+LABELS = {  # summary key -> its short name in the console tables
+    "eval/reward_before": "dense before", "eval/reward_after": "dense after",
+    "eval/evict/reward_before": "evict before", "eval/evict/reward_after": "evict after",
+    "eval/greedy_reward_before": "greedy dense before", "eval/greedy_reward_after": "greedy dense after",
+    "eval/evict/greedy_reward_before": "greedy evict before", "eval/evict/greedy_reward_after": "greedy evict after",
+    "eval/evict/kept_before": "answer KV kept before", "eval/evict/kept_after": "answer KV kept after",
+    "last/mismatch/max_abs_diff": "last mismatch", "last/kv/kept_fraction": "KV kept", "train/seconds": "train seconds",
+}
+HELD_OUT = {"dense cache": "eval/reward", "under eviction": "eval/evict/reward"}  # + _after / _before: the two evaluations
+
+
+def label(metric: str) -> str:
+    """The console's short name of a summary key (words that wrap whole), e.g. eval/evict/reward_after -> evict after."""
+    return LABELS.get(metric) or metric.removeprefix("eval/").replace("/", " ").replace("_", " ")
+
+
+def _caption(metrics: list[str]) -> str:
+    return "; ".join(f"{label(m)} = {m}" for m in metrics if label(m) != m)
 
 
 def _fmt(v) -> str:
@@ -40,9 +62,9 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 def write_table(out: Path, rows: list[dict], keys: list[str], metrics: list[str]) -> None:
     """The rich table, ablation.md and ablation.csv; the `error` column when a run failed (always in the csv)."""
     columns = keys + metrics + ["status"] + (["error"] if any(r.get("error") for r in rows) else [])
-    table = Table(title="smd ablate")
+    table = Table(title="smd ablate", caption=_caption(metrics))
     for c in columns:
-        table.add_column(c, justify="left" if c == "error" else "right", overflow="fold")
+        table.add_column(label(c) if c in metrics else c, justify="left" if c == "error" else "right", overflow="fold")
     for r in rows:
         table.add_row(*[_fmt(r.get(c)) for c in columns], style="red" if r["status"] != "ok" else None)
     console.print(table)
@@ -53,13 +75,15 @@ def write_table(out: Path, rows: list[dict], keys: list[str], metrics: list[str]
         writer.writerows(rows)
 
 
-def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[str], over: list[str], metric: str) -> None:
-    """`ablation_mean.md` / `.csv` (mean +- standard error over `over`, n finished of runs) and `ablation_mean.png`."""
+def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[str], over: list[str], metric: str) -> dict:
+    """`ablation_mean.md` / `.csv` (mean +- standard error over `over`, n finished of runs) and `ablation_mean.png`
+    (both held-out evaluations after training, with their standard errors, and before as marks). Returns the bars
+    drawn: (group label, key) -> (mean, standard error)."""
     plt = _pyplot()
     columns = keys + metrics + ["n"]
-    table = Table(title=f"smd ablate: mean ± standard error over {', '.join(over)}")
+    table = Table(title=f"smd ablate: mean ± standard error over {', '.join(over)}", caption=_caption(metrics))
     for c in columns:
-        table.add_column(c, justify="right")
+        table.add_column(label(c) if c in metrics else c, justify="right")
     cells = [[str(g[k]) for k in keys] + [_pm(g, m) for m in metrics] + [f"{g['n']}/{g['runs']}"] for g in groups]
     for c in cells:
         table.add_row(*c)
@@ -70,26 +94,52 @@ def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[st
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(groups)
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups) + 2), 4))
-    for i, g in enumerate(groups):
-        if g.get(metric) is not None:
-            bar = ax.bar(i, g[metric], yerr=g.get(f"{metric} se") or 0.0, capsize=4, color="tab:blue")
-            ax.bar_label(bar, [f"{g[metric]:.3g} (n={g['n']})"], fontsize=8, label_type="center", color="white")
-        else:
-            ax.text(i, 0.03, "no run finished", transform=ax.get_xaxis_transform(), rotation=90, ha="center", color="tab:red")
+    views = _views(metrics, metric)
+    width, drawn = 0.8 / len(views), {}
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(groups) * len(views) + 2), 4))
+    for j, (name, after, before) in enumerate(views):
+        for i, g in enumerate(groups):
+            x = i + (j - (len(views) - 1) / 2) * width
+            if g.get(after) is None:
+                ax.text(x, 0.03, "no run finished", transform=ax.get_xaxis_transform(), rotation=90, ha="center", color="tab:red",
+                        fontsize=8)
+                continue
+            bar = ax.bar(x, g[after], width, yerr=g.get(f"{after} se") or 0.0, capsize=3, color=VIEW_COLORS[j % len(VIEW_COLORS)],
+                         label=f"{name}, after" if i == 0 else None)
+            ax.bar_label(bar, [f"{g[after]:.3g}"], fontsize=7, label_type="center", color="white")
+            drawn[(",".join(f"{k}={g[k]}" for k in keys), after)] = (g[after], g.get(f"{after} se"))
+            if before and g.get(before) is not None:
+                ax.errorbar(x, g[before], yerr=g.get(f"{before} se") or 0.0, fmt="_", color="black", markersize=12, capsize=2,
+                            label="before training" if i == 0 and j == 0 else None)
     ax.set_xlim(-0.6, len(groups) - 0.4)
-    ax.set_xticks(range(len(groups)), [",".join(f"{k}={g[k]}" for k in keys) or "all" for g in groups], rotation=20, ha="right", fontsize=8)
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric}: mean ± standard error over {', '.join(over)}", fontsize=9)
+    ax.set_xticks(range(len(groups)), [",".join(f"{k}={g[k]}" for k in keys) + f" (n={g['n']})" for g in groups], rotation=20,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("held-out reward")
+    ax.set_ylim(0, 1.25 * max([1e-9, *(m + (se or 0.0) for m, se in drawn.values())]))
+    ax.legend(fontsize=8, loc="upper right", ncols=3)
+    ax.set_title(f"held-out reward, {' and '.join(v[0] for v in views)}: mean ± standard error over {', '.join(over)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "ablation_mean.png", dpi=120)
     plt.close(fig)
+    return drawn
+
+
+VIEW_COLORS = ("tab:blue", "tab:orange")
+
+
+def _views(metrics: list[str], metric: str) -> list[tuple[str, str, str | None]]:
+    """(name, after key, before key or None) of the held-out evaluations among `metrics`, both views when there;
+    else `metric` alone."""
+    found = [(name, f"{p}_after", f"{p}_before" if f"{p}_before" in metrics else None) for name, p in HELD_OUT.items()
+             if f"{p}_after" in metrics]
+    return found or [(label(metric), metric, None)]
 
 
 def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
     """ablation.png. Left: training reward per step for each run (a failed run's partial curve dashed); right:
-    `metric` per run, a bar for each run that finished with a number, a red "failed" (or grey "n/a") mark in
-    place of the bar otherwise, never a 0. Returns the bars drawn, run -> height."""
+    the held-out reward after training per run, with a dense cache and under eviction side by side (`metric` alone
+    when the rows have neither), a bar for each that finished with a number, a red "failed" (or grey "n/a") mark in
+    place of the bars otherwise, never a 0. Returns the bars of `metric` drawn, run -> height."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in rows:
@@ -107,22 +157,32 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
         left.legend(fontsize=8)
     bars: dict[str, float] = {}
     marks = right.get_xaxis_transform()  # x in data units, y in axes fraction
+    views = _views(list(rows[0]) if rows else [], metric)
+    width, named = 0.8 / len(views), set()
     for i, r in enumerate(rows):
-        value = r.get(metric)
-        if r["status"] == "ok" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            right.bar_label(right.bar(i, value, color="tab:blue"), fmt="%.3g", fontsize=8)  # a real 0 reads "0"
-            bars[r["run"]] = float(value)
-        else:
-            failed = r["status"] != "ok"
-            right.text(i, 0.03, "failed" if failed else "n/a", transform=marks, rotation=90, ha="center", va="bottom",
-                       color="tab:red" if failed else "grey", fontsize=9, fontweight="bold" if failed else "normal")
+        ok = r["status"] == "ok"
+        for j, (name, after, _) in enumerate(views):
+            value = r.get(after)
+            if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                bar = right.bar(i + (j - (len(views) - 1) / 2) * width, value, width, color=VIEW_COLORS[j % len(VIEW_COLORS)],
+                                label=None if name in named else name)
+                named.add(name)
+                right.bar_label(bar, fmt="%.3g", fontsize=7)  # a real 0 reads "0"
+                if after == metric or len(views) == 1:
+                    bars[r["run"]] = float(value)
+        if not ok or not any(isinstance(r.get(after), (int, float)) for _, after, _ in views):
+            right.text(i, 0.03, "failed" if not ok else "n/a", transform=marks, rotation=90, ha="center", va="bottom",
+                       color="tab:red" if not ok else "grey", fontsize=9, fontweight="bold" if not ok else "normal")
     right.set_xlim(-0.6, len(rows) - 0.4)
     right.set_xticks(range(len(rows)), [r["run"] for r in rows], rotation=20 if len(rows) <= 12 else 90, ha="right", fontsize=8)
-    for label, r in zip(right.get_xticklabels(), rows):
+    for tick, r in zip(right.get_xticklabels(), rows):
         if r["status"] != "ok":
-            label.set_color("tab:red")
-    title = metric + (" (failed runs: no bar)" if any(r["status"] != "ok" for r in rows) else "")
-    right.set(ylabel=metric, title=title)
+            tick.set_color("tab:red")
+    title = "held-out reward after training" + (" (failed runs: no bar)" if any(r["status"] != "ok" for r in rows) else "")
+    right.set(ylabel=" / ".join(label(after) for _, after, _ in views), title=title)
+    if len(views) > 1 and right.containers:
+        right.set_ylim(0, 1.25 * max([1e-9, *(r.get(a) for r in rows for _, a, _ in views if isinstance(r.get(a), (int, float)))]))
+        right.legend(fontsize=8, loc="upper right", ncols=2)
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=120)
     plt.close(fig)

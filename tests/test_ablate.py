@@ -241,3 +241,36 @@ def test_ablate_cli_failed_runs_exit_1_with_the_reason(tmp_path):
     for r in rows:
         assert r["error"].startswith(f"config error: grpo.num_generations={r['grpo.num_generations']} is not allowed: an integer >= 2")
     assert (out / "ablation.png").is_file() and json.loads((out / "summary.json").read_text())["failed"]
+
+
+def test_console_tables_do_not_break_words_at_140_columns(tmp_path, monkeypatch):
+    """The ablate tables on a 140-column terminal: every header word whole (it printed "eval/reward_befor e"), the
+    metric each short label stands for in the caption; the CSVs keep the summary keys."""
+    import io
+
+    from rich.console import Console
+
+    from smd_cli import sweep_tables
+    from smd_cli.stats import aggregate
+
+    metrics = list(OmegaConf.load(CONF / "ablate.yaml").ablate.metrics)  # the defaults every sweep prints
+    monkeypatch.setattr(sweep_tables, "console", Console(width=140, record=True, file=io.StringIO()))
+    rows = [{"run": f"lambda={lam},seed={s}", "lambda": lam, "seed": s, "status": "ok", "error": None, "dir": str(tmp_path),
+             **{m: 0.123456 + s for m in metrics}} for lam in ("0.1", "0.8") for s in (0, 1)]
+    rows[-1].update(status="failed (exit 1)", error="config error: grpo.num_generations=1 is not allowed: an integer >= 2")
+    sweep_tables.write_table(tmp_path, rows, ["lambda", "seed"], metrics)
+    groups = aggregate(rows, ["lambda"], metrics)
+    drawn = sweep_tables.write_means(tmp_path, groups, ["lambda"], metrics, ["seed"], "eval/evict/reward_after")
+    text = sweep_tables.console.export_text()
+    words = {w for m in metrics for w in sweep_tables.label(m).split()}
+    printed = set(text.replace("│", " ").replace("┃", " ").split())
+    assert words <= printed, words - printed  # no label word broken across lines
+    assert max(len(line) for line in text.splitlines()) <= 140
+    assert "evict after = eval/evict/reward_after" in " ".join(text.split())
+    assert list(csv.DictReader((tmp_path / "ablation_mean.csv").open()))[0]["eval/evict/reward_after"]
+    # the plot: both held-out evaluations per value, with the standard error over the seeds (0.1: seeds 0 and 1 -> se 0.5)
+    assert drawn == {("lambda=0.1", "eval/reward_after"): (pytest.approx(0.623456), pytest.approx(0.5)),
+                     ("lambda=0.1", "eval/evict/reward_after"): (pytest.approx(0.623456), pytest.approx(0.5)),
+                     ("lambda=0.8", "eval/reward_after"): (pytest.approx(0.123456), None),
+                     ("lambda=0.8", "eval/evict/reward_after"): (pytest.approx(0.123456), None)}
+    assert (tmp_path / "ablation_mean.png").stat().st_size > 10_000
