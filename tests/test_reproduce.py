@@ -2,8 +2,10 @@
 to order, the paper scale's plan and its clear stop without a GPU or the Hub, and the quick variant end to end."""
 
 import csv
+import itertools
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -12,11 +14,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.report import claims
+from smd_cli.report import budget, claims, machinery
 from smd_cli.report.data import Sweep
 from smd_cli.report.write import write_report
 from smd_cli.stages.sweep import distinct, plan
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE
+from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,15 +47,19 @@ def test_the_tables_recipes_share_their_common_runs():
     assert all(m.name.startswith(("gsm8k_", "tldr_", "govreport_", "hotpotqa_")) for p in paper for m in p)
 
 
-def fake_sweep(tmp_path: Path, name: str, keys: list[str], runs: list[tuple[dict, dict]]) -> Sweep:
-    """A sweep directory as `smd ablate` writes it, with each run's summary given."""
+def fake_sweep(tmp_path: Path, name: str, keys: list[str], runs: list[tuple[dict, dict]], steps: list[dict] | None = None) -> Sweep:
+    """A sweep directory as `smd ablate` writes it, with each run's summary given (its `status` "collapsed" or
+    "failed ..." when the summary says so), and `steps` as every run's metrics.jsonl."""
     rows = []
     for i, (values, summary) in enumerate(runs):
         run_dir = tmp_path / name / "runs" / f"run{i}"
         run_dir.mkdir(parents=True)
-        (run_dir / "summary.json").write_text(json.dumps({"status": "completed", **summary}))
-        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward": 0.5}) + "\n")
-        rows.append({**values, "status": "ok", "dir": str(run_dir)})
+        status = summary.get("status", "completed")
+        (run_dir / "summary.json").write_text(json.dumps({"status": status, **summary}))
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps or [{"step": 1, "reward": 0.5}]))
+        rows.append({**values, "status": {"completed": "ok"}.get(status, status), "dir": str(run_dir),
+                     "status_reason": summary.get("status_reason"), "error": summary.get("error")})
+    (tmp_path / name).mkdir(parents=True, exist_ok=True)
     (tmp_path / name / "summary.json").write_text(json.dumps({"runs": rows, "sweep": {k: [] for k in keys}}))
     return Sweep.read(name, tmp_path / name)
 
@@ -64,7 +70,7 @@ def test_claims_are_judged_by_their_rules(tmp_path):
     runs = [({"algo": a, "seed": str(s)}, {"eval/evict/reward_after": evict[a][s], "eval/reward_after": 0.9 + 0.01 * s})
             for a in evict for s in range(3)]
     main_ = fake_sweep(tmp_path, "main", ["algo", "seed"], runs)
-    found = {(f.claim, f.view): f for f in claims.main_table(main_)}
+    found = {(f.claim, f.view): f for f in claims.main_table(main_, Sequential((3,)))}
     assert found[("SMD beats naive compression", "under eviction")].verdict == HOLDS  # paired d = 0.30, se = 0
     assert found[("SMD beats naive compression", "dense cache")].verdict == INCONCLUSIVE  # d = 0 exactly
     assert found[("Naive compression falls behind dense", "under eviction")].verdict == FAILS  # dense 0.31 < naive 0.42
@@ -74,12 +80,12 @@ def test_claims_are_judged_by_their_rules(tmp_path):
     lam = fake_sweep(tmp_path, "lambda", ["lambda", "seed"], [({"lambda": lv, "seed": str(s)}, {"eval/evict/reward_after": m + 0.01 * s,
                                                                                                "eval/reward_after": 0.5})
                                                                for lv, m in (("0", 0.5), ("0.1", 0.7), ("0.8", 0.4)) for s in range(3)])
-    best = {f.view: f for f in claims.lambda_best(lam) if f.claim.startswith("lambda = 0.1 is")}
+    best = {f.view: f for f in claims.lambda_best(lam, Sequential((3,))) if f.claim.startswith("lambda = 0.1 is")}
     assert best["under eviction"].verdict == HOLDS and best["dense cache"].verdict == INCONCLUSIVE
     memory = {"size": {"layers": 2, "hidden": 64, "vocab": 541}, "device": "cpu",
               "algorithms": {"smd": {"dynamic_over_naive_sparse": 1.02}, "sparse_rl": {"total_over_naive_sparse": 1.01}},
               "views": {"snapkv": {"physical": {"over_dense": 1.4}, "shadow": {"over_dense": 1.01}}}}
-    assert [f.verdict for f in claims.memory(memory)] == [HOLDS, FAILS, HOLDS]
+    assert [f.verdict for f in machinery.memory(memory)] == [HOLDS, FAILS, HOLDS]
     report = write_report(tmp_path / "report", {"main": main_, "lambda": lam}, {"learner_memory": None, "step_overhead": []},
                           {"scale": "tiny", "commit": "abc"})
     text = report.read_text()
@@ -115,7 +121,8 @@ def test_quick_reproduce_end_to_end(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "REPORT.md").read_text()
     for section in ("## The paper's claims, judged from the data", "## Main table", "## Compression ablation",
-                    "## Distillation weight (lambda) ablation", "## Token-selection ablation", "## Learner memory", "## Step-time overhead"):
+                    "## Distillation weight (lambda) ablation", "## Token-selection ablation", "## Parity in float32 and float64",
+                    "## Learner memory", "## Step-time overhead"):
         assert section in report
     assert "11 training runs for 17 table entries" in report and "**Quick check**" in report
     runs = list(csv.DictReader((out / "runs.csv").open()))
@@ -124,10 +131,141 @@ def test_quick_reproduce_end_to_end(tmp_path):
     summary = json.loads((root / "members" / smd[0]["dir"] / "summary.json").read_text())
     main_rows = {r["algo"]: r for r in csv.DictReader((out / "main_vote.csv").open())}
     assert float(main_rows["smd"]["held-out, under eviction"]) == pytest.approx(summary["eval/evict/reward_after"], abs=5e-4)
-    worst = max(json.loads((root / "members" / r["dir"] / "summary.json").read_text())["train/mismatch/max_abs_diff_max"]
-                for r in runs if r.get("algo", "smd") in ("smd", ""))
-    machinery = {r["claim"]: r for r in csv.DictReader((out / "claims_machinery.csv").open())}
-    parity = machinery["The shadow mask makes the learner's policy the sampler's"]
-    assert parity["verdict"] == ("**holds**" if worst <= 1e-5 else "**does not hold**")
-    for png in ("curves_vote.png", "evidence_vote.png", "ablate_compression.png", "ablate_lambda.png", "ablate_selection.png"):
+    bench = json.loads((root / "bench" / "parity_replay_0.json").read_text())  # float32 and float64 replays of the quick warm start
+    wide = max(p["float64"]["max_abs_diff"] for name, p in bench["policies"].items() if name != "none")
+    machinery_ = {r["claim"]: r for r in csv.DictReader((out / "claims_machinery.csv").open())}
+    parity = machinery_["The shadow mask makes the learner's policy the sampler's"]
+    assert parity["verdict"] == ("**holds**" if wide <= 1e-5 else "**does not hold**") and f"float64 {wide:.2g}" in parity["evidence"]
+    verdicts = list(csv.DictReader((out / "claims.csv").open()))
+    assert verdicts and all(v["verdict"] == "inconclusive" for v in verdicts if v["seeds"])  # one seed decides nothing
+    seeds = list(csv.DictReader((out / "seeds_vote.csv").open()))  # each seed's warm start beside every algorithm
+    assert len(seeds) == 1 and float(seeds[0]["warm start: answer KV kept"]) == pytest.approx(summary["eval/evict/kept_before"], abs=5e-3)
+    for png in ("curves_vote.png", "evidence_vote.png", "seeds_vote.png", "ablate_compression.png", "ablate_lambda.png", "ablate_selection.png"):
         assert (out / png).stat().st_size > 10_000
+
+
+TABLE_KEYS = {"main_table": {"task": ["vote"], "algo": ["dense", "naive_sparse", "tis", "smd"]}, "ablate_lambda": {"lambda": ["0", "0.1", "0.8"]}}
+MEANS = {  # (dense cache, under eviction) held-out reward of each cell; every seed adds its warm start's w_s
+    "dense": (0.90, 0.30), "naive_sparse": (0.90, 0.40), "tis": (0.50, 0.10), "smd": (0.90, 0.70), "0": (0.5, 0.5), "0.1": (0.8, 0.8),
+    "0.8": (0.4, 0.4)}
+
+
+def fake_ablate(root: Path, calls: list):
+    """Stands in for `smd reproduce`'s `smd ablate` subprocess: writes each asked member's run (its held-out reward from
+    MEANS, a warm-start effect per seed and a small deterministic noise) and the sweep's summary.json."""
+    def run(command: list[str]) -> int:
+        args = dict(a.split("=", 1) for a in command[4:] if "=" in a)
+        recipe = args["+recipe"]
+        swept = {**TABLE_KEYS[recipe], "seed": ["0", "1", "2"]}
+        swept.update({k: v.split(",") for k, v in args.items() if k in swept})
+        calls.append((recipe, {k: v for k, v in args.items() if k in swept}))
+        rows = []
+        for combo in itertools.product(*swept.values()):
+            values = dict(zip(swept, combo))
+            cell, seed = values.get("algo", values.get("lambda")), int(values["seed"])
+            noise = random.Random(f"{cell}/{seed}").uniform(-0.02, 0.02)
+            run_dir = root / "members" / "_".join(f"{k}{v}" for k, v in values.items())
+            run_dir.mkdir(parents=True, exist_ok=True)
+            dense, evict = (m + 0.1 * (seed % 3) + noise for m in MEANS[cell])
+            (run_dir / "summary.json").write_text(json.dumps({"status": "completed", "eval/reward_after": dense,
+                                                              "eval/evict/reward_after": evict}))
+            rows.append({**values, "status": "ok", "dir": str(run_dir)})
+        where = Path(args["hydra.run.dir"])
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "summary.json").write_text(json.dumps({"runs": rows, "sweep": swept}))
+        return 0
+    return run
+
+
+def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
+    """`make reproduce`'s rounds, with `smd ablate` faked: every cell of an undecided claim gets the next look's seeds
+    (one invocation per table, its values swept), a cell whose claims are all decided gets none, and the rounds stop
+    at the cap; run again, nothing new is asked."""
+    from omegaconf import OmegaConf
+
+    from smd_cli.stages import reproduce
+
+    root, calls = tmp_path / "root", []
+    monkeypatch.setattr(reproduce, "run_logged", fake_ablate(root, calls))
+    cfg = OmegaConf.create({"quick": False, "jobs": 2, "quick_overrides": {"tiny": []}})
+    tables, rule = {"main": "main_table", "lambda": "ablate_lambda"}, Sequential((3, 5, 8))
+    for recipe in tables.values():
+        reproduce.run_logged(reproduce.ablate_command(cfg, "tiny", recipe, root, root / "sweeps" / recipe))
+    added, rounds = reproduce.add_seeds(cfg, "tiny", tables, root, rule)
+    asked = calls[2:]
+    assert asked[0] == ("main_table", {"task": "vote", "algo": "dense,naive_sparse,tis,smd", "seed": "3,4"})  # look 1 decides nothing
+    assert asked[1] == ("ablate_lambda", {"lambda": "0,0.1,0.8", "seed": "3,4"})
+    # look 2 decides every claim on tis (far below the others) and on lambda; the ties of the dense cache go on to the cap
+    assert asked[2:] == [("main_table", {"task": "vote", "algo": "dense,naive_sparse,smd", "seed": "5,6,7"})]
+    assert added == 4 * 2 + 3 * 2 + 3 * 3
+    assert rounds.startswith("to 5 seeds: 14 runs") and "to 8 seeds: 9 runs" in rounds
+    sweeps = reproduce.read_tables(tables, root)
+    found = {(f.claim, f.view): f for f in claims.policies(sweeps, rule)}
+    beats = found[("SMD beats naive compression", "under eviction")]
+    assert (beats.verdict, beats.decision.seeds) == (HOLDS, 5)  # d = 0.3 at look 2; seeds 5-7 ran for other claims
+    tie = found[("SMD beats naive compression", "dense cache")]
+    assert (tie.verdict, tie.decision.seeds, tie.pending) == (INCONCLUSIVE, 8, False)
+    assert tie.decision.detectable > 0 and "smallest difference detectable at the cap" in tie.evidence and "+0.093" in tie.evidence
+    assert found[("lambda = 0.1 is the best distillation weight", "under eviction")].verdict == HOLDS
+    assert reproduce.add_seeds(cfg, "tiny", tables, root, rule)[0] == 0 and len(calls) == 5  # nothing left to ask
+
+
+def test_every_correction_is_judged_against_smd_and_dense_and_collapsed_runs_are_flagged(tmp_path):
+    """Rows beyond the paper's (mis, icepop, trm) get the same paired verdicts, as soon as their runs exist; a collapsed
+    run enters the means and verdicts with its numbers and is flagged in the main table, the per-seed table and runs.csv."""
+    evict = {"dense": 0.6, "naive_sparse": 0.3, "mis": 0.31, "icepop": 0.6, "trm": 0.2, "smd": 0.62}
+    runs = []
+    for a, m in evict.items():
+        for s in range(3):
+            summary = {"eval/evict/reward_after": m + 0.05 * s + 0.001 * len(a) * s, "eval/reward_after": 0.9,
+                       "eval/evict/kept_before": 0.2 + 0.3 * s, "eval/evict/reward_before": 0.1 + 0.2 * s, "eval/evict/kept_after": 0.5}
+            if (a, s) == ("trm", 2):
+                summary.update(status="collapsed", status_reason="reward 0 over the last 10 steps")
+            runs.append(({"algo": a, "seed": str(s)}, summary))
+    main_ = fake_sweep(tmp_path, "main", ["algo", "seed"], runs, steps=[{"step": 1, "reward": 0.5, "rollout_corr/masked_seq_frac": 0.25}])
+    found = {(f.claim, f.view): f for f in claims.main_table(main_, Sequential((3,)))}
+    assert found[("SMD beats MIS", "under eviction")].verdict == HOLDS and found[("SMD beats MIS", "under eviction")].group == "corrections"
+    assert found[("IcePop recovers the dense learner's result", "under eviction")].verdict == HOLDS  # within 0.05 of dense
+    assert found[("MIS recovers the dense learner's result", "under eviction")].verdict == FAILS  # 0.29 below dense
+    assert found[("TRM recovers the dense learner's result", "under eviction")].decision.d.n == 3  # its collapsed seed counts
+    report = write_report(tmp_path / "report", {"main": main_}, {}, {"scale": "tiny"}).read_text()
+    assert "| trm | 3 (1 collapsed) |" in report and " †" in report
+    assert "- main table, under eviction: recover: smd, icepop; do not: naive_sparse, mis, trm" in report
+    assert "| mis | rollout_corr/masked_seq_frac | 0.250 ± 0.000 |" in report
+    rows = {(r["algo"], r["seed"]): r for r in csv.DictReader((tmp_path / "report" / "runs.csv").open())}
+    assert (rows[("trm", "2")]["status"], rows[("trm", "2")]["reason"]) == ("collapsed", "reward 0 over the last 10 steps")
+    seeds = list(csv.DictReader((tmp_path / "report" / "seeds_main.csv").open()))
+    assert seeds[2]["trm"].endswith("†") and seeds[0]["warm start: answer KV kept"] == "0.2"
+    assert "correlate with r = +1.00" in report  # the warm start's kept evidence and the seed's mean result
+
+
+def test_parity_is_judged_in_float64_when_measured(tmp_path):
+    """The parity claim reads bench/parity_replay.py's float64 replay (rounding left aside, a mask error stands out); with
+    no such measurement it falls back to the runs' float32 bound; SMD runs without per-step metrics do not crash it."""
+    smd = [({"algo": "smd", "seed": str(s)}, {"train/mismatch/max_abs_diff_max": 1.3e-5}) for s in range(2)]
+    sweep = fake_sweep(tmp_path, "main", ["algo", "seed"], smd, steps=[{"step": 1}])  # no mismatch/mean_abs_diff per step
+    [finding] = machinery.parity([sweep], None)
+    assert finding.verdict == FAILS and "1.3e-05" in finding.evidence  # float32 alone: 1.3e-5 > 1e-5
+    exact = {"task": "vote", "rows": 64, "policies": {p: {"float32": {"max_abs_diff": 1.3e-5, "mean_abs_diff": 3e-7},
+                                                         "float64": {"max_abs_diff": 9.5e-7, "mean_abs_diff": 2e-7}}
+                                                     for p in ("none", "snapkv", "random")}}
+    [finding] = machinery.parity([sweep], exact)
+    assert finding.verdict == HOLDS and "float32 1.3e-05, float64 9.5e-07" in finding.evidence
+    exact["policies"]["random"]["float64"]["max_abs_diff"] = 6.6  # a wrong mask: far beyond rounding in float64 too
+    assert machinery.parity([sweep], exact)[0].verdict == FAILS
+    assert machinery.parity([fake_sweep(tmp_path / "x", "main", ["algo", "seed"], [])], None) == []
+
+
+def test_extensions_group_cells_into_few_invocations(tmp_path):
+    """The seeds wanted become one `smd ablate` per table and seed range: values of the last key swept, one other key
+    merged when its groups sweep the same values; a cell with every seed's results asks for nothing."""
+    runs = [({"compression": c, "algo": a, "seed": str(s)}, {"eval/reward_after": 0.5}) for c in ("0.5", "0.7") for a in ("naive_sparse", "smd")
+            for s in range(3)]
+    comp = fake_sweep(tmp_path, "comp", ["compression", "algo", "seed"], runs)
+    wanted = {("compression", (("algo", "smd"), ("compression", "0.7"))): 5, ("compression", (("algo", "smd"), ("compression", "0.5"))): 5,
+              ("compression", (("algo", "naive_sparse"), ("compression", "0.7"))): 3}
+    [e] = budget.extensions(wanted, {"compression": comp})
+    assert e.overrides() == ["compression=0.5,0.7", "algo=smd", "seed=3,4"] and e.runs == 4 and e.label == "seeds3-4_0.5-0.7"
+    planned = [budget.Planned("vote", str(s), 40, 256, 8, 700) for s in range(2)]
+    cost = budget.Cost(run_s=6.5, step_s=0.36, eval_prompt_s=0.0036, warm_step_s=0.247)
+    assert budget.predict(planned, cost, jobs=2) == pytest.approx((2 * (6.5 + 40 * 0.36 + 8 * 256 * 0.0036) + 2 * 700 * 0.247) / 2)

@@ -1,9 +1,13 @@
 """What the report reads: the runs of each sweep (their swept values, summary and per-step metrics), grouped
-into cells (mean and standard error over seeds) by any of their keys.
+into cells (mean and standard error over seeds) by any of their keys, and paired seed by seed.
 
 A sweep directory is what `smd ablate` wrote: `summary.json` with `runs` (one row per member: its swept
-values, status, directory) and `sweep` (key -> values). Each member directory holds `summary.json` (the
-held-out evaluations, `train/*` and `last/*`) and `metrics.jsonl` (one row per step).
+values, status, directory) and `sweep` (key -> values). A table of `smd reproduce` may be several such
+directories (the recipe's own seeds, then the seeds added until its claims were decided): their rows are merged,
+a later row replacing an earlier one of the same swept values. Each member directory holds `summary.json` (the
+held-out evaluations, `train/*` and `last/*`) and `metrics.jsonl` (one row per step). A run whose policy
+collapsed (status "collapsed", `status_reason`) has results like a completed one and is flagged; a failed run
+has none.
 """
 
 from __future__ import annotations
@@ -13,21 +17,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from smd_cli.io import read_jsonl
-from smd_cli.stats import Cell, cell
+from smd_cli.stats import USABLE, Cell, cell
 
 
 @dataclass
 class Run:
     values: dict[str, str]  # the swept values (task, algo, seed, ...)
-    status: str
-    error: str | None
+    status: str  # ok | collapsed | failed ... | not run (a planned run, no directory yet)
+    error: str | None  # why it failed, or why it collapsed
     dir: Path
     summary: dict = field(default_factory=dict)
     _steps: list[dict] | None = None
 
     @property
     def ok(self) -> bool:
-        return self.status == "ok"
+        """It has held-out results: completed, or collapsed (an outcome of the algorithm on that seed)."""
+        return self.status in USABLE
+
+    @property
+    def collapsed(self) -> bool:
+        return self.status == "collapsed"
+
+    @property
+    def attempted(self) -> bool:
+        return self.status != "not run"
 
     def steps(self) -> list[dict]:
         """metrics.jsonl, read once ([] when missing or unreadable)."""
@@ -49,6 +62,11 @@ class Run:
         return sum(values) / len(values) if values else None
 
 
+def seed_key(seed: str):
+    """Seeds in numeric order (0, 1, 2, ..., 10), other labels after them."""
+    return (0, int(seed), "") if str(seed).lstrip("-").isdigit() else (1, 0, str(seed))
+
+
 @dataclass
 class Sweep:
     name: str
@@ -57,32 +75,51 @@ class Sweep:
     runs: list[Run]
 
     @classmethod
-    def read(cls, name: str, directory: Path) -> "Sweep":
-        summary = json.loads((directory / "summary.json").read_text())
-        keys = list(summary["sweep"])
-        runs = []
-        for row in summary["runs"]:
-            run_dir = Path(row["dir"])
-            if not run_dir.is_absolute():
-                run_dir = directory / run_dir
-            member = _json(run_dir / "summary.json") if row["status"] == "ok" else {}
-            runs.append(Run({k: str(row[k]) for k in keys}, row["status"], row.get("error"), run_dir, member))
-        return cls(name, directory, keys, runs)
+    def read(cls, name: str, directory: Path, more: list[Path] = ()) -> "Sweep":
+        """The sweep `smd ablate` wrote in `directory`, with the rows of the sweeps in `more` merged in (same keys)."""
+        keys: list[str] = []
+        rows: dict[tuple, Run] = {}
+        for where in (directory, *more):
+            summary = json.loads((where / "summary.json").read_text())
+            keys = keys or list(summary["sweep"])
+            for row in summary["runs"]:
+                run_dir = Path(row["dir"])
+                if not run_dir.is_absolute():
+                    run_dir = where / run_dir
+                status = row["status"]
+                member = _json(run_dir / "summary.json") if status in USABLE else {}
+                reason = row.get("status_reason") or row.get("error")
+                values = {k: str(row[k]) for k in keys}
+                rows[tuple(values.values())] = Run(values, status, reason, run_dir, member)
+        return cls(name, directory, keys, list(rows.values()))
 
     def values(self, key: str) -> list[str]:
-        """The values of a swept key, in the sweep's order."""
-        return list(dict.fromkeys(r.values[key] for r in self.runs))
+        """The values of a swept key, in the sweep's order (seeds in numeric order)."""
+        found = list(dict.fromkeys(r.values[key] for r in self.runs))
+        return sorted(found, key=seed_key) if key == "seed" else found
 
     def select(self, **values) -> list[Run]:
         return [r for r in self.runs if all(r.values.get(k) == str(v) for k, v in values.items())]
 
-    def cell(self, metric: str, **values) -> Cell:
-        """Mean and standard error of `metric` over the finished runs with these swept values (the seeds)."""
-        return cell(r.metric(metric) for r in self.select(**values) if r.ok)
+    def cell(self, metric: str, seeds=None, **values) -> Cell:
+        """Mean and standard error of `metric` over the runs with results with these swept values (the seeds; only
+        `seeds` when given)."""
+        return cell(r.metric(metric) for r in self.select(**values) if r.ok and (seeds is None or r.values.get("seed") in seeds))
 
     def by_seed(self, metric: str, **values) -> dict[str, float]:
-        """`metric` of each finished run with these swept values, by its seed (for paired comparisons)."""
+        """`metric` of each run with results with these swept values, by its seed (for paired comparisons)."""
         return {r.values.get("seed", ""): r.metric(metric) for r in self.select(**values) if r.ok and r.metric(metric) is not None}
+
+    def attempted(self, **values) -> set[str]:
+        """The seeds of the runs with these swept values that ran (with results or failed)."""
+        return {r.values.get("seed", "") for r in self.select(**values) if r.attempted}
+
+    def paired(self, metric: str, a: dict, b: dict) -> tuple[list[str], list[float | None]]:
+        """The per-seed differences a - b of `metric`, in seed order, over the seeds both cells ran (None where either
+        has no value: a failed run), as `stats.sequential` reads them; and those seeds."""
+        seeds = sorted(self.attempted(**a) & self.attempted(**b), key=seed_key)
+        va, vb = self.by_seed(metric, **a), self.by_seed(metric, **b)
+        return seeds, [va[s] - vb[s] if s in va and s in vb else None for s in seeds]
 
     def seeds(self) -> list[str]:
         return self.values("seed") if "seed" in self.keys else []

@@ -10,7 +10,8 @@ from smd_cli.report.claims import VIEWS
 from smd_cli.report.data import Sweep
 from smd_cli.stats import cell
 
-COLORS = {"dense": "tab:gray", "naive_sparse": "tab:red", "sparse_rl": "tab:orange", "tis": "tab:purple", "smd": "tab:blue"}
+COLORS = {"dense": "tab:gray", "naive_sparse": "tab:red", "sparse_rl": "tab:orange", "tis": "tab:purple", "mis": "tab:brown",
+          "icepop": "tab:pink", "trm": "tab:olive", "smd": "tab:blue"}
 
 
 def _pyplot():
@@ -120,3 +121,26 @@ def ablation_bars(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
         ax.set_xticks(range(len(xs)), xs)
         ax.set(xlabel=x_key, ylabel=metric, title=f"held-out, {view}")
     return _finish(plt, fig, axes, f"{name}: mean ± standard error over seeds", out / f"{name}.png")
+
+
+def seeds_scatter(sweep: Sweep, task: str | None, out: Path) -> Path | None:
+    """One point per run: the answer-bearing KV its seed's warm start kept under eviction (x) against its held-out reward
+    under eviction after training (y), per algorithm; a collapsed run hollow. Where the warm start's eviction loses the
+    evidence, no algorithm reaches a high reward."""
+    t = {"task": task} if task else {}
+    points = {a: [(r.summary.get("eval/evict/kept_before"), r.summary.get("eval/evict/reward_after"), r.collapsed)
+                  for r in sweep.select(**t, algo=a) if r.ok] for a in sweep.values("algo")}
+    points = {a: [p for p in ps if all(isinstance(v, (int, float)) for v in p[:2])] for a, ps in points.items()}
+    if not any(points.values()):
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for algo, ps in points.items():
+        color = COLORS.get(algo)
+        ax.scatter([p[0] for p in ps if not p[2]], [p[1] for p in ps if not p[2]], label=algo, color=color, alpha=0.8, s=25)
+        if any(p[2] for p in ps):
+            ax.scatter([p[0] for p in ps if p[2]], [p[1] for p in ps if p[2]], facecolors="none", edgecolors=color, s=40)
+    ax.set(xlabel="warm start: answer-bearing KV kept under eviction", ylabel="held-out reward under eviction, after",
+           xlim=(0, 1.02), ylim=(0, 1.02))
+    return _finish(plt, fig, [ax], f"{task or 'main table'}: each seed's warm start against each algorithm's result (hollow: collapsed)",
+                   out / f"seeds_{task or 'main'}.png")

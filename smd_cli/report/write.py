@@ -1,7 +1,7 @@
 """`REPORT.md` with its CSVs and PNGs, from the sweeps of a reproduction and its benchmarks.
 
 Every number in the report is computed here from what the runs and benchmarks wrote; the only numbers typed
-in are the paper's own (`PAPER_GSM8K`, the claims' `paper` column), from `../shared/REFERENCES.md`.
+in are the paper's own (`claims.PAPER_GSM8K`, the claims' `paper` column), from `../shared/REFERENCES.md`.
 """
 
 from __future__ import annotations
@@ -12,20 +12,19 @@ import time
 from pathlib import Path
 
 from smd_cli.io import write_atomic
-from smd_cli.report import claims, figures
+from smd_cli.report import claims, figures, machinery, tables
 from smd_cli.report.data import Sweep
-from smd_cli.stats import cell
+from smd_cli.report.tables import MAIN_COLUMNS
+from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential, cell, critical
 
-PAPER_GSM8K = {"dense": "74.5", "smd": "73.6", "sparse_rl": "71.2", "naive_sparse": "64.3"}  # accuracy %, Qwen3-4B, 50 %
-MAIN_COLUMNS = [  # (header, metric)
-    ("held-out, dense cache", "eval/reward_after"), ("held-out, under eviction", "eval/evict/reward_after"),
-    ("greedy, dense cache", "eval/greedy_reward_after"), ("greedy, under eviction", "eval/evict/greedy_reward_after"),
-    ("training reward (last 10 steps)", "steps:reward:last10"), ("max learner mismatch", "train/mismatch/max_abs_diff_max"),
-    ("answer KV kept, training", "train/evidence/kept_mean"), ("answer KV kept, held-out after", "eval/evict/kept_after"),
-]
 ABLATION_COLUMNS = [("held-out, under eviction", "eval/evict/reward_after"), ("held-out, dense cache", "eval/reward_after"),
                     ("greedy, under eviction", "eval/evict/greedy_reward_after"), ("training reward (last 10)", "steps:reward:last10"),
                     ("answer KV kept, held-out after", "eval/evict/kept_after")]
+COLLAPSED = ("A run whose policy collapsed (status `collapsed`, `smd train`'s guard: its reward fell and stayed down) has its "
+             "held-out numbers like any other and enters the means and the paired verdicts with them: the collapse is an outcome "
+             "of the algorithm on that seed, and leaving it out would flatter the algorithm that collapses. It is counted in "
+             "n ('1 collapsed') and marked † in the per-seed tables; `runs.csv` gives its reason. A run that failed has no "
+             "held-out numbers: its seed drops out of the comparisons that need it.")
 
 
 class Report:
@@ -72,53 +71,49 @@ def _str(value) -> str:
     return "-" if value is None else str(value)
 
 
-def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict) -> Path:
+def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict, rule: Sequential | None = None) -> Path:
     """REPORT.md for the sweeps of roles `main`, `compression`, `lambda`, `selection` (any may be missing) and the
-    benchmarks (`learner_memory`: one result, `step_overhead`: a list), under `header` (scale, commit, versions,
-    machine, wall seconds, commands)."""
+    benchmarks (`learner_memory`: one result, `step_overhead`: a list, `parity_replay`: one result), under `header`
+    (scale, commit, versions, machine, wall seconds, commands, the cost model's prediction), the policy claims judged
+    by `rule` (seeds until decided; default: one look at the seeds there are)."""
     out.mkdir(parents=True, exist_ok=True)
+    rule = rule or Sequential((max((len(s.seeds()) for s in sweeps.values()), default=1) or 1,))
     r = Report(out)
     main = sweeps.get("main")
     r.text(f"# Reproduction report: Shadow Mask Distillation (arXiv 2605.06850), {header['scale']} scale")
     if header.get("quick"):
         r.text("**Quick check** (`QUICK=1`): one seed, two values per ablation, a few steps per run. It shows that the "
                "pipeline works end to end; its numbers prove nothing.")
-    r.text(*_header(header, sweeps))
+    r.text(*_header(header, sweeps, rule))
     r.text(*_setup(main or next(iter(sweeps.values()))))
-    findings = _claims(sweeps, bench)
-    r.text("## The paper's claims, judged from the data",
-           "Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`, "
-           "`smd_cli/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and "
-           "sampling seed, so d is the mean of the per-seed differences and se its standard error (the spread between warm "
-           f"starts cancels out); margin {claims.MARGIN}; with one seed every comparison is inconclusive. A claim on the "
-           "trained policies is judged once per held-out evaluation: with a dense KV cache, and under the run's eviction.")
-    _claims_tables(r, findings)
+    found = claims.policies(sweeps, rule)
+    rest = _machinery(sweeps, bench)
+    _claims_section(r, found, rest, rule)
     if main is not None:
-        r.text("Which algorithms the main table separates (a > b holds), per task and evaluation:",
-               *(f"- {line}" for line in claims.separation(main)))
-        _main_section(r, main)
+        _main_section(r, main, found)
     for role, title, x_key, plot in (("compression", "Compression ablation", "compression", figures.ablation_lines),
                                      ("lambda", "Distillation weight (lambda) ablation", "lambda", figures.ablation_lines),
                                      ("selection", "Token-selection ablation", "eviction", figures.ablation_bars)):
         if role in sweeps:
             _ablation_section(r, sweeps[role], title, x_key, plot)
+    _parity_section(r, bench.get("parity_replay"))
     _memory_section(r, bench.get("learner_memory"))
     _overhead_section(r, bench.get("step_overhead") or [])
     _runs_csv(out, sweeps)
-    r.text("## Files", "`claims.csv`, one CSV per table above, `runs.csv` (every run of every sweep, per seed, with its "
-           "directory), and the PNGs. The runs themselves (checkpoints, `metrics.jsonl`, `summary.json`) stay in the runs "
-           f"directory: `{header.get('runs_dir', '-')}`.")
+    r.text("## Files", "`claims.csv` (every verdict, with its look and detectable difference), one CSV per table above, "
+           "`runs.csv` (every run of every sweep, per seed, with its status and directory), and the PNGs. The runs themselves "
+           f"(checkpoints, `metrics.jsonl`, `summary.json`) stay in the runs directory: `{header.get('runs_dir', '-')}`.")
     return r.save()
 
 
-def _header(header: dict, sweeps: dict[str, Sweep]) -> list[str]:
+def _header(header: dict, sweeps: dict[str, Sweep], rule: Sequential) -> list[str]:
     versions = header.get("versions", {})
-    runs = {r.dir for s in sweeps.values() for r in s.runs}
-    listed = sum(len(s.runs) for s in sweeps.values())
-    seeds = sorted({v for s in sweeps.values() for v in s.seeds()}, key=str)
+    runs = {r.dir for s in sweeps.values() for r in s.runs if r.attempted}
+    listed = sum(r.attempted for s in sweeps.values() for r in s.runs)
+    seeds = sorted({v for s in sweeps.values() for v in s.seeds()}, key=lambda s: (len(s), s))
     wall = header.get("wall_seconds")
     commits = sorted({_json(r.dir / "provenance.json").get("git_commit", "unknown") for s in sweeps.values() for r in s.runs if r.ok})
-    return [
+    lines = [
         f"Generated by `{header.get('command', 'smd reproduce')}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "",
         f"- commit `{header.get('commit', 'unknown')}` (report); the runs ran at {', '.join(f'`{c}`' for c in commits) or '-'} "
@@ -126,12 +121,18 @@ def _header(header: dict, sweeps: dict[str, Sweep]) -> list[str]:
         f"- python {versions.get('python', '?')}, torch {versions.get('torch', '?')}, "
         f"transformers {versions.get('transformers', '?')}, hydra-core {versions.get('hydra-core', '?')}",
         f"- machine: {header.get('machine', '?')}",
-        f"- seeds: {', '.join(seeds) or '-'} (each seed its own warm start and sampling)",
+        f"- seeds: {', '.join(seeds) or '-'} (each seed its own warm start and sampling); seeds until decided: looks at "
+        f"{', '.join(map(str, rule.looks))} seeds (the cap {rule.cap}), each table's recipe giving the first",
         f"- {len(runs)} training runs for {listed} table entries (a run that several tables share ran once); "
         + (f"wall time of the invocation(s) that ran them, benchmarks included, {wall / 60:.1f} min" if isinstance(wall, (int, float))
            else "wall time not recorded"),
-        f"- re-run: `{header.get('rerun', 'make reproduce')}`",
     ]
+    if header.get("prediction"):
+        lines.append(f"- cost model (`conf/reproduce.yaml` `cost`, README): {header['prediction']}")
+    if header.get("rounds"):
+        lines.append(f"- seeds added: {header['rounds']}")
+    lines.append(f"- re-run: `{header.get('rerun', 'make reproduce')}`")
+    return lines
 
 
 def _setup(sweep: Sweep) -> list[str]:
@@ -152,69 +153,120 @@ def _setup(sweep: Sweep) -> list[str]:
         f"compression {cfg['compression']} unless swept."
         + (f" The tiny model is first warm-started by {warm['steps']} supervised steps (label smoothing "
            f"{warm.get('label_smoothing', 0)}), one warm start per seed." if warm.get("steps") else ""),
-        f"Held-out: {cfg['eval']['num_prompts']} test prompts, sampled at temperature {cfg['eval']['temperature']} (seeded) and "
-        "greedy, each twice: with a dense KV cache, and under the run's eviction policy and compression (a dense run under "
-        f"{cfg['eval']['dense_eviction']} at the same compression). The training reward is the sampler's own, under its "
-        "eviction. 'answer KV kept' is the fraction of the answer-bearing prompt entries (the synthetic tasks' "
-        "needle/marked values) that the eviction kept, over layers and KV heads.",
+        f"Held-out: {cfg['eval']['num_prompts']} test prompts (the same for every run), sampled at temperature "
+        f"{cfg['eval']['temperature']} (seeded) and greedy, each twice: with a dense KV cache, and under the run's eviction "
+        f"policy and compression (a dense run under {cfg['eval']['dense_eviction']} at the same compression). The training reward "
+        "is the sampler's own, under its eviction. 'answer KV kept' is the fraction of the answer-bearing prompt entries (the "
+        "synthetic tasks' needle/marked values) that the eviction kept, over layers and KV heads.",
+        COLLAPSED,
     ]
 
 
-def _claims(sweeps: dict[str, Sweep], bench: dict) -> list[claims.Finding]:
-    found = []
-    if "main" in sweeps:
-        found += claims.main_table(sweeps["main"])
-    found += claims.parity(list(sweeps.values()))
-    if "compression" in sweeps:
-        found += claims.compression(sweeps["compression"])
-    if "lambda" in sweeps:
-        found += claims.lambda_best(sweeps["lambda"])
-    if "selection" in sweeps:
-        found += claims.selection(sweeps["selection"])
-    found += claims.memory(bench.get("learner_memory"))
-    found += claims.overhead(bench.get("step_overhead") or [])
+def _machinery(sweeps: dict[str, Sweep], bench: dict) -> list[claims.Finding]:
+    main = sweeps.get("main")
+    found = machinery.rejection(main) if main is not None else []
+    found += machinery.tldr(main.values("task") if main is not None and "task" in main.keys else [])
+    found += machinery.parity(list(sweeps.values()), bench.get("parity_replay"))
+    found += machinery.memory(bench.get("learner_memory"))
+    found += machinery.overhead(bench.get("step_overhead") or [])
     return found
 
 
-def _claims_tables(r: Report, findings: list[claims.Finding]) -> None:
-    """Claims on the trained policies (one column per held-out evaluation), then claims on the machinery."""
-    policies: dict[tuple, dict] = {}
-    for f in findings:
-        if f.view is not None:
-            policies.setdefault((f.claim, f.paper, f.scope, f.rule), {})[f.view] = f
+def _claims_section(r: Report, found: list[claims.Finding], rest: list[claims.Finding], rule: Sequential) -> None:
+    spend = rule.spend()
+    r.text("## The paper's claims, judged from the data",
+           "Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`, "
+           "`smd_cli/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and sampling "
+           "seed, so d is the mean of the per-seed differences and se its standard error (the spread between warm starts cancels "
+           f"out), t = d / se (for 'matches', within the margin {claims.MARGIN}: t = (d + {claims.MARGIN}) / se). Seeds until "
+           "decided: a comparison is looked at when the seeds below are in and stops at the first look where |t| passes that "
+           "look's critical value c (Student t, n - 1 degrees of freedom, at the look's share alpha_k of the one-sided error "
+           f"alpha = {rule.alpha}: O'Brien-Fleming-type spending, Bonferroni over the looks, so the chance of a wrong 'holds' "
+           f"stays at or below {rule.alpha} however the looks fall); `make reproduce` adds seeds to every comparison still "
+           f"undecided, up to the cap. A comparison undecided at the cap gives the smallest difference its last look detects "
+           f"with {rule.power:.0%} probability, beside the paper's own difference, and the seeds a decision would need. Each "
+           f"verdict keeps its own error rate (alpha {rule.alpha} each way); over the table's many verdicts a few wrong ones "
+           "are expected by chance. A claim on the trained policies is judged once per held-out evaluation: with a dense KV "
+           "cache, and under the run's eviction.")
+    r.table("looks", ["look", "seeds", "alpha_k", "c at that many seeds"],
+            [[k + 1, n, f"{a:.2g}", f"{critical(n, a):.2f}" if n >= 2 else "-"] for k, (n, a) in enumerate(zip(rule.looks, spend))])
     views = list(claims.VIEWS)
+    rows: dict[tuple, dict] = {}
+    for f in found:
+        if f.group == "paper":
+            rows.setdefault((f.claim, f.paper, f.scope, f.rule), {})[f.view] = f
     r.table("claims_policies", ["claim", "paper", "scope", *(f"{v}: verdict (evidence)" for v in views), "rule"],
             [[claim, paper, scope, *(f"**{by[v].verdict}** ({by[v].evidence})" if v in by else "-" for v in views), rule]
-             for (claim, paper, scope, rule), by in policies.items()])
-    rest = [f for f in findings if f.view is None]
+             for (claim, paper, scope, rule), by in rows.items()])
+    r.text(*_tally(found))
     if rest:
         r.table("claims_machinery", ["claim", "paper", "scope", "verdict", "evidence", "rule"],
                 [[f.claim, f.paper, f.scope, f"**{f.verdict}**", f.evidence, f.rule] for f in rest])
+    _claims_csv(r.out, found + rest)
 
 
-def _main_section(r: Report, sweep: Sweep) -> None:
-    r.text("## Main table: the five algorithms at 50 % KV compression",
-           "Mean ± standard error over seeds (n finished). The paper's column is its GSM8K accuracy with Qwen3-4B "
+def _tally(found: list[claims.Finding]) -> list[str]:
+    """How many verdicts on the trained policies are decided, and which way."""
+    paper = [f for f in found if f.group == "paper"]
+    lines = []
+    for name, group in (("the paper's claims", paper), ("the corrections' comparisons (main table)", [f for f in found if f.group != "paper"])):
+        if not group:
+            continue
+        count = {v: sum(f.verdict == v for f in group) for v in (HOLDS, FAILS, INCONCLUSIVE)}
+        pending = sum(f.pending for f in group)
+        lines.append(f"Of {len(group)} verdicts on {name}: {count[HOLDS]} hold, {count[FAILS]} do not hold, {count[INCONCLUSIVE]} "
+                     "inconclusive" + (f" ({pending} of them pending: a later look would add seeds)" if pending else " at the cap") + ".")
+    return lines
+
+
+def _claims_csv(out: Path, found: list[claims.Finding]) -> None:
+    with (out / "claims.csv").open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["claim", "paper", "scope", "view", "verdict", "seeds", "d", "se", "critical", "pending", "detectable",
+                         "paper_difference", "seeds_needed", "evidence", "rule"])
+        for x in found:
+            d = x.decision
+            writer.writerow([x.claim, x.paper, x.scope, x.view or "", x.verdict, *(
+                [d.seeds, _str(d.d.mean), _str(d.d.se), _str(d.critical), d.pending, _str(d.detectable)] if d else [""] * 6),
+                _str(x.paper_diff), "" if d is None or d.seeds_needed is None else d.seeds_needed, x.evidence, x.rule])
+
+
+def _main_section(r: Report, sweep: Sweep, found: list[claims.Finding]) -> None:
+    algos = sweep.values("algo")
+    r.text(f"## Main table: the {len(algos)} algorithms at 50 % KV compression",
+           "Mean ± standard error over seeds (n with results). The paper's column is its GSM8K accuracy with Qwen3-4B "
            "(a different model and task: the order, not the scale, is what compares).")
+    ours = [f for f in found if f.pair != ("", "")]
+    if len(algos) > 2:
+        tables_ = tables.corrections(ours, sweep)
+        r.text("### The rollout corrections against dense and against SMD",
+               f"Does each algorithm trained under eviction recover the dense learner's held-out result (it matches dense within "
+               f"{claims.MARGIN}, the rule of 'a matches b')? And does SMD beat it (a > b)? Verdict (paired difference ± se, seeds), "
+               "by the rules above:")
+        r.table("corrections_vs_dense", *tables_["recover_dense"])
+        r.table("corrections_vs_smd", *tables_["smd_against"])
+        r.text("Which recover the dense learner's result, per task and evaluation:", *(f"- {line}" for line in tables.recover_sentences(ours)))
     tasks = sweep.values("task") if "task" in sweep.keys else [None]
     for task in tasks:
         t = {"task": task} if task else {}
-        first = sweep.values("algo")[0]  # the warm start and its evaluations are the same for every algorithm of a seed
-        before = [sweep.cell(m.removesuffix("_after") + "_before", **t, algo=first) if m.endswith("_after") else None for _, m in MAIN_COLUMNS]
-        rows = [["before training (warm start)", before[0].n, *("" if c is None else str(c) for c in before), ""]]
-        for algo in sweep.values("algo"):
-            cells = [sweep.cell(m, **t, algo=algo) for _, m in MAIN_COLUMNS]
-            rows.append([algo, len([x for x in sweep.select(**t, algo=algo) if x.ok]), *map(str, cells), PAPER_GSM8K.get(algo, "-")])
         r.text(f"### {'task ' + task if task else 'main table'}")
-        r.table(f"main_{task or 'table'}", ["algo", "n", *(h for h, _ in MAIN_COLUMNS), "paper (GSM8K %)"], rows)
-        rejected = sweep.cell("steps:is/rejected_seq_frac:mean", **t, algo="sparse_rl")
-        if rejected.mean is not None:
-            r.text(f"Sparse-RL vetoed {rejected} of the sequences per step and masked "
-                   f"{sweep.cell('steps:is/rejected_token_frac:mean', **t, algo='sparse_rl')} of the tokens.")
+        r.table(f"main_{task or 'table'}", *tables.main_rows(sweep, t))
+        header, rows = tables.correction_fractions(sweep, t)
+        if rows:
+            r.text("What each correction masked, rejected or truncated, per training step (mean over the steps of a run):")
+            r.table(f"corrections_{task or 'main'}", header, rows)
+        header, rows, notes = tables.per_seed(sweep, t)
+        if rows:
+            r.text(f"Per seed: the warm start of task {task} (held-out under eviction before any GRPO step, and the answer-bearing KV "
+                   "its eviction kept) beside each algorithm's held-out reward under eviction after training (the answer KV kept "
+                   "then; † collapsed). Read across a row: what the seed's warm start keeps of the evidence under eviction, and "
+                   "what each algorithm reaches from it.")
+            r.table(f"seeds_{task or 'main'}", header, rows)
+            r.text(*notes)
+            r.figure(figures.seeds_scatter(sweep, task, r.out), f"warm start against result per seed, {task}")
         r.figure(figures.training_curves(sweep, task, r.out), f"training curves, {task}")
         if layers := _layers(sweep):
             r.figure(figures.evidence_curves(sweep, task, layers, r.out), f"answer-bearing KV kept, {task}")
-        _warm_starts(r, sweep, t, task)
 
 
 def _layers(sweep: Sweep) -> int:
@@ -222,33 +274,31 @@ def _layers(sweep: Sweep) -> int:
     return max((len([k for k in r.steps()[0] if k.startswith("evidence/kept_l")]) for r in sweep.runs if r.ok and r.steps()), default=0)
 
 
-def _warm_starts(r: Report, sweep: Sweep, t: dict, task) -> None:
-    """The policy each seed starts from (before any GRPO step): how much the warm starts differ."""
-    algo = sweep.values("algo")[0]
-    rows = []
-    for seed in sweep.seeds():
-        run = next((x for x in sweep.select(**t, algo=algo, seed=seed) if x.ok), None)
-        if run:
-            s = run.summary
-            rows.append([seed, s.get("eval/reward_before"), s.get("eval/evict/reward_before"), s.get("eval/greedy_reward_before"),
-                         s.get("eval/evict/greedy_reward_before"), s.get("eval/evict/kept_before")])
-    if rows:
-        r.text(f"Warm starts of task {task} (one per seed; held-out before any GRPO step):")
-        r.table(f"warm_starts_{task or 'main'}", ["seed", "dense cache", "under eviction", "greedy, dense", "greedy, under eviction",
-                                                  "answer KV kept"], rows)
-
-
 def _ablation_section(r: Report, sweep: Sweep, title: str, x_key: str, plot) -> None:
-    r.text(f"## {title}", f"`smd ablate +recipe={sweep.name}`; mean ± standard error over seeds (n finished).")
+    r.text(f"## {title}", f"`smd ablate +recipe={sweep.name}`; mean ± standard error over seeds (n with results).")
     series = sweep.values("algo") if "algo" in sweep.keys else [None]
     rows = []
     for x in sweep.values(x_key):
         for algo in series:
             a = {"algo": algo} if algo else {}
             cells = [sweep.cell(m, **a, **{x_key: x}) for _, m in ABLATION_COLUMNS]
-            rows.append([x, *([algo] if algo else []), max(c.n for c in cells), *map(str, cells)])
+            rows.append([x, *([algo] if algo else []), tables.counted(sweep.select(**a, **{x_key: x})), *map(str, cells)])
     r.table(sweep.name, [x_key, *(["algo"] if series != [None] else []), "n", *(h for h, _ in ABLATION_COLUMNS)], rows)
     r.figure(plot(sweep, x_key, r.out, sweep.name), title)
+
+
+def _parity_section(r: Report, bench: dict | None) -> None:
+    if not bench or not bench.get("policies"):
+        return
+    r.text("## Parity in float32 and float64",
+           f"`python bench/parity_replay.py`: {bench.get('rows', '?')} rollouts of task {bench.get('task', '?')} (seed "
+           f"{bench.get('seed', '?')}'s warm start) per eviction policy at c = {bench.get('compression', '?')}, scored by the shadow "
+           "replay, once with the model in float32 and once in float64 (rollout and replay). In float64 the replay has no rounding "
+           "of its own, so what stays above the sampler's own float32 rounding is a mask error; `none` is a dense rollout (no mask).")
+    r.table("parity", ["policy", "float32 max", "float32 mean", "float64 max", "float64 mean", "a dense learner's mean"],
+            [[p, f"{v['float32']['max_abs_diff']:.2g}", f"{v['float32']['mean_abs_diff']:.2g}", f"{v['float64']['max_abs_diff']:.2g}",
+              f"{v['float64']['mean_abs_diff']:.2g}", f"{v['float32'].get('dense_mean_abs_diff', float('nan')):.3g}"]
+             for p, v in bench["policies"].items()])
 
 
 def _memory_section(r: Report, bench: dict | None) -> None:
@@ -290,11 +340,13 @@ def _overhead_section(r: Report, benches: list[dict]) -> None:
 
 def _runs_csv(out: Path, sweeps: dict[str, Sweep]) -> None:
     keys = sorted({k for s in sweeps.values() for k in s.keys})
-    metrics = sorted({m for _, m in MAIN_COLUMNS + ABLATION_COLUMNS} | {"eval/reward_before", "eval/evict/reward_before", "train/seconds"})
+    metrics = sorted({m for _, m in MAIN_COLUMNS + ABLATION_COLUMNS} | {"eval/reward_before", "eval/evict/reward_before",
+                                                                         "eval/evict/kept_before", "train/seconds"})
     with (out / "runs.csv").open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["sweep", *keys, "status", "error", *metrics, "dir"])
+        writer.writerow(["sweep", *keys, "status", "reason", *metrics, "dir"])
         for s in sweeps.values():
             for run in s.runs:
-                writer.writerow([s.name, *(run.values.get(k, "") for k in keys), run.status, run.error or "",
-                                 *(_str(run.metric(m)) if run.ok else "" for m in metrics), run.dir.name])
+                if run.attempted:
+                    writer.writerow([s.name, *(run.values.get(k, "") for k in keys), run.status, run.error or "",
+                                     *(_str(run.metric(m)) if run.ok else "" for m in metrics), run.dir.name])

@@ -3,12 +3,16 @@
 Each table is the sweep of a recipe (`sweeps.SCALE`: `main_table`, `ablate_compression`, `ablate_lambda`,
 `ablate_selection`, or their `paper_` twins), run as `smd ablate +recipe=NAME` with every sweep's members in
 one runs directory, so that a run two tables share (SMD at c = 0.5, lambda 0.1, SnapKV) runs once. First
-every sweep is composed and what will run is printed (runs per table, shared, already finished); at the
-paper scale the stage then stops, naming what is missing, unless a CUDA GPU and the Hugging Face Hub (or its
-local cache) are there. Then the sweeps run one after another, each with `jobs` runs at once (Hydra's joblib
-launcher), the benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`) write their JSON, and
-`smd_cli.report` writes REPORT.md with its CSVs and PNGs. A failed run is reported in its table and the
-rest go on; started again, the stage skips every finished run and benchmark result it finds.
+every sweep is composed and what will run is printed (runs per table, shared, already finished), with the cost
+model's prediction (`cost.SCALE`); at the paper scale the stage then stops, naming what is missing, unless a CUDA
+GPU and the Hugging Face Hub (or its local cache) are there. Then the sweeps run one after another, each with
+`jobs` runs at once (Hydra's joblib launcher). Seeds until decided (`sequential.SCALE`, `smd_cli.stats.Sequential`):
+the claims are judged from the runs there are, and every cell of a claim still undecided gets the seeds of the next
+look, through `smd ablate +recipe=NAME KEY=v ... seed=a,b` (printed as it runs; finished runs are reused), until
+every claim is decided or at its cap. Then the benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`,
+`bench/parity_replay.py`) write their JSON, and `smd_cli.report` writes REPORT.md with its CSVs and PNGs. A failed
+run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
+result it finds, and reaches the same seeds (the verdicts are a function of the runs).
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from omegaconf import DictConfig, open_dict
 from rich.table import Table
 
 from smd_cli.io import git_commit, package_versions, write_json
-from smd_cli.report.data import Sweep
+from smd_cli.report import budget, claims
+from smd_cli.report.data import Run, Sweep
 from smd_cli.report.write import write_report
 from smd_cli.stages.common import ROOT, ConfigError, check, console, start_run
 from smd_cli.stages.sweep import distinct, finished, plan
+from smd_cli.stats import Sequential
 
 HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
        "datasets": {"gsm8k": "openai/gsm8k", "tldr": "trl-lib/tldr", "govreport": "ccdv/govreport-summarization",
@@ -43,10 +49,23 @@ def validate(cfg: DictConfig) -> str:
     check(isinstance(cfg.paper, bool), "paper", cfg.paper, "true (Qwen3-4B on the paper's tasks) or false (the tiny scale)")
     check(isinstance(cfg.quick, bool), "quick", cfg.quick, "true or false")
     check(isinstance(cfg.jobs, int) and cfg.jobs >= 1, "jobs", cfg.jobs, "an integer >= 1 (runs at once)")
+    check(isinstance(cfg.dry_run, bool), "dry_run", cfg.dry_run, "true or false")
     scale = "paper" if cfg.paper else "tiny"
     tables = cfg.sweeps[scale]
     check(cfg.only is None or set(cfg.only) <= set(tables), "only", cfg.only, f"null or a subset of [{', '.join(tables)}]")
+    rule(cfg, scale)
     return scale
+
+
+def rule(cfg: DictConfig, scale: str) -> Sequential:
+    """The sequential rule of this scale (`sequential.SCALE`, `sequential.quick` with quick=true)."""
+    key = "quick" if cfg.quick else scale
+    s = cfg.sequential.get(key)
+    check(s is not None, f"sequential.{key}", None, "looks, alpha and power of the seeds-until-decided rule (conf/reproduce.yaml)")
+    try:
+        return Sequential(tuple(s.looks), float(s.alpha), float(s.power))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"sequential.{key}={dict(s)} is not allowed: {err}") from None
 
 
 def layout(cfg: DictConfig, scale: str) -> tuple[Path, Path]:
@@ -62,27 +81,69 @@ def sweep_overrides(cfg: DictConfig, scale: str, recipe: str, root: Path) -> lis
     return [f"+recipe={recipe}", *quick, f"ablate.runs_dir={root / 'members'}", "progress=false"]
 
 
-def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path) -> int:
-    """Compose every table's sweep and print what will run; returns the number of runs to run."""
+def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, rule: Sequential) -> tuple[int, str | None]:
+    """Compose every table's sweep and print what will run, with the cost model's prediction (base, and every claim
+    undecided to the cap); returns the number of runs to run and the prediction."""
     seen: dict[str, str] = {}
     table = Table(title=f"smd reproduce, {scale} scale{', quick' if cfg.quick else ''}: what will run")
     for column in ("table", "recipe", "runs", "shared with an earlier table", "finished already", "to run"):
         table.add_column(column, justify="left" if column in ("table", "recipe") else "right")
-    pending = 0
+    planned, plans, todo = {}, {}, set()
     for role, recipe in tables.items():
         overrides = sweep_overrides(cfg, scale, recipe, root)
         ablate_cfg = compose(config_name="ablate", overrides=overrides)
-        _, combos = plan(ablate_cfg, [o for o in overrides if not o.startswith("ablate.")])
+        sweep, combos = plan(ablate_cfg, [o for o in overrides if not o.startswith("ablate.")])
         members = distinct(combos)
         shared = [m for m in members if m.identity in seen]
         done = [m for m in members if m.identity not in seen and finished(root / "members" / m.name, m)]
         new = len(members) - len(shared) - len(done)
-        pending += new
+        todo |= {m.identity for m in members} - {m.identity for m in shared + done}
         table.add_row(role, recipe, str(len(members)), str(len(shared)), str(len(done)), str(new))
         seen.update({m.identity: role for m in members})
+        keys = [k for k, _ in sweep]
+        plans[role] = Sweep(recipe, root / "sweeps" / recipe, keys, [Run({k: str(v) for k, v in m.combo}, "not run", None,
+                                                                          root / "members" / m.name) for m in combos])
+        for m in combos:
+            values = dict(m.combo)
+            cell = tuple(sorted((k, v) for k, v in values.items() if k != "seed"))
+            planned[(role, cell, values.get("seed"))] = (m.identity, planned_run(ablate_cfg, m.name.split("_")[0],
+                                                                                 values.get("seed", str(ablate_cfg.seed))))
     console.print(table)
-    console.print(f"{len(seen)} distinct training runs, {pending} to run; runs in {root / 'members'}")
-    return pending
+    console.print(f"{len(seen)} distinct training runs, {len(todo)} to run; runs in {root / 'members'}")
+    prediction = predict(cfg, scale, rule, planned, plans, todo)
+    if prediction:
+        console.print(f"cost model: {prediction}", highlight=False)
+    return len(todo), prediction
+
+
+def planned_run(ablate_cfg: DictConfig, task: str, seed: str) -> budget.Planned:
+    """A run of this table as the cost model sees it."""
+    e = ablate_cfg.eval
+    evaluations = 2 * (2 if e.evicting else 1) * (2 if e.greedy else 1)  # before / after, dense / evicting, sampled / greedy
+    warm = ablate_cfg.model.get("warmstart") or {}
+    return budget.Planned(task, str(seed), int(ablate_cfg.steps), int(e.num_prompts), evaluations, int(warm.get("steps") or 0))
+
+
+def predict(cfg: DictConfig, scale: str, rule: Sequential, planned: dict, plans: dict[str, Sweep], todo: set[str]) -> str | None:
+    """The cost model's minutes for the runs to run now, and for the seeds every claim would add if none were decided
+    before the cap (the worst case: a run shared by tables counted once)."""
+    c = cfg.cost.get("quick" if cfg.quick else scale)
+    if not c:
+        return None
+    cost = budget.Cost(**c)
+    base = {ident: p for ident, p in planned.values() if ident in todo}
+    now = budget.predict(list(base.values()), cost, cfg.jobs)
+    cells = {(role, tuple(sorted(sel.items()))) for f in claims.policies(plans, rule) for role, sel in f.cells}
+    firsts = [(ident, p) for (role, sel, seed), (ident, p) in planned.items() if (role, sel) in cells]
+    seeds = sorted({p.seed for _, p in firsts}, key=int)
+    extra = {ident: p for ident, p in firsts if p.seed == seeds[0]} if seeds else {}
+    more = [budget.Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps)
+            for p in extra.values() for s in range(len(seeds), rule.cap)]
+    worst = budget.predict(more, cost, cfg.jobs)
+    bench = cost.benchmarks_s
+    return (f"{len(base)} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of {rule.cap} seeds, "
+            f"{len(more)} runs more, {worst / 60:.0f} min; benchmarks {bench / 60:.0f} min: at most {(now + worst + bench) / 60:.0f} min "
+            f"with {cfg.jobs} runs at once")
 
 
 def paper_requirements() -> list[str]:
@@ -138,8 +199,11 @@ def run(cfg: DictConfig) -> dict:
     scale = validate(cfg)
     started = time.time()
     root, out = layout(cfg, scale)
+    seq = rule(cfg, scale)
     tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
-    pending = show_plan(tables, cfg, scale, root)
+    pending, prediction = show_plan(tables, cfg, scale, root, seq)
+    if cfg.dry_run:
+        return {"to_run": pending, "prediction": prediction}
     if scale == "paper":
         missing = paper_requirements()
         if missing:
@@ -149,27 +213,71 @@ def run(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.run_dir, cfg.overrides = str(root), list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     start_run(cfg)
-    launcher = [] if cfg.jobs == 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={cfg.jobs}"]
     outcomes = {}
     for role, recipe in tables.items():
-        command = [sys.executable, "-m", "smd_cli.cli", "ablate", *sweep_overrides(cfg, scale, recipe, root), *launcher,
-                   f"hydra.run.dir={root / 'sweeps' / recipe}"]
-        outcomes[role] = run_logged(command)  # 1: some runs failed (reported in the table); the rest go on
-        if not (root / "sweeps" / recipe / "summary.json").is_file():
+        outcomes[role] = run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe))
+        if not (root / "sweeps" / recipe / "summary.json").is_file():  # 1: some runs failed (in the table); the rest go on
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
+    added, rounds = add_seeds(cfg, scale, tables, root, seq)
     bench = run_benchmarks(cfg, "quick" if cfg.quick else scale, root / "bench")
-    seconds = record_time(root, started, pending)
-    sweeps = {role: Sweep.read(recipe, root / "sweeps" / recipe) for role, recipe in tables.items()}
+    seconds = record_time(root, started, pending + added)
     make = f"make reproduce{' SCALE=paper' if cfg.paper else ''}{' QUICK=1' if cfg.quick else ''}"
     header = {"scale": scale, "quick": cfg.quick, "command": f"{make} (smd reproduce)", "rerun": make,
               "commit": git_commit(ROOT), "versions": package_versions(), "wall_seconds": seconds,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                          + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU") + f", {cfg.jobs} runs at once",
-              "runs_dir": os.path.relpath(root / "members", ROOT)}
-    report = write_report(out, sweeps, bench, header)
+              "runs_dir": os.path.relpath(root / "members", ROOT), "prediction": prediction, "rounds": rounds}
+    report = write_report(out, read_tables(tables, root), bench, header, seq)
     failed = {role: code for role, code in outcomes.items() if code}
     console.print(f"report written to {report}" + (f"; tables with failed runs: {', '.join(failed)}" if failed else ""))
     return {"report": str(report), "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()}, "failed_tables": failed}
+
+
+def ablate_command(cfg: DictConfig, scale: str, recipe: str, root: Path, where: Path, extra: list[str] = ()) -> list[str]:
+    """`smd ablate` of a table's recipe (with `extra` overrides: fixed values, seeds), its sweep written to `where`."""
+    overrides = sweep_overrides(cfg, scale, recipe, root)
+    if any(o.startswith("seed=") for o in extra):  # the seeds asked for replace the quick check's one
+        overrides = [o for o in overrides if not o.startswith("seed=")]
+    launcher = [] if cfg.jobs == 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={cfg.jobs}"]
+    return [sys.executable, "-m", "smd_cli.cli", "ablate", *overrides, *extra, *launcher, f"hydra.run.dir={where}"]
+
+
+def read_tables(tables: dict[str, str], root: Path) -> dict[str, Sweep]:
+    """Each table's sweep: its recipe's, with the seeds added until decided (`sweeps/RECIPE/seeds/*`) merged in."""
+    out = {}
+    for role, recipe in tables.items():
+        where = root / "sweeps" / recipe
+        more = sorted((p.parent for p in (where / "seeds").glob("*/summary.json")), key=lambda p: p.stat().st_mtime)
+        out[role] = Sweep.read(recipe, where, more)
+    return out
+
+
+def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, seq: Sequential) -> tuple[int, str]:
+    """Seeds until decided: judge the claims, give every cell of an undecided claim the seeds of its next look, again
+    until no claim is undecided below its cap. Returns the runs asked for and one line per round for the report
+    (also kept in ROOT/rounds.json, so that a report-only invocation says the same)."""
+    path, asked, lines = root / "rounds.json", 0, []
+    history = json.loads(path.read_text()) if path.is_file() else []
+    for _ in seq.looks:
+        sweeps = read_tables(tables, root)
+        found = claims.policies(sweeps, seq)
+        wanted = claims.wanted(found, seq)
+        extensions = budget.extensions(wanted, sweeps)
+        if not extensions:
+            break
+        undecided = sum(f.pending for f in found)
+        runs = sum(e.runs for e in extensions)
+        target = max(wanted.values())
+        console.print(f"seeds until decided: {undecided} verdicts undecided; {len(wanted)} cells to {target} seeds, "
+                      f"{runs} runs (finished ones are reused)", highlight=False)
+        for e in extensions:
+            recipe = tables[e.role]
+            run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe / "seeds" / e.label, e.overrides()))
+        asked += runs
+        lines.append(f"to {target} seeds: {runs} runs for {undecided} undecided verdicts ({len(wanted)} cells)")
+        write_json(path, history + lines)
+    rounds = history + lines
+    return asked, "; ".join(rounds) if rounds else "none (every claim decided at the recipes' seeds, or no later look)"
 
 
 def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
@@ -184,7 +292,8 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
                     console.print(f"[yellow]warning:[/yellow] bench/{name}.py failed (exit {code}): its table is left out")
                     continue
             results.setdefault(name, []).append(json.loads(path.read_text()))
-    return {"learner_memory": (results.get("learner_memory") or [None])[0], "step_overhead": results.get("step_overhead", [])}
+    return {"learner_memory": (results.get("learner_memory") or [None])[0], "step_overhead": results.get("step_overhead", []),
+            "parity_replay": (results.get("parity_replay") or [None])[0]}
 
 
 def record_time(root: Path, started: float, ran: int) -> float:

@@ -1,0 +1,107 @@
+"""What `smd reproduce` runs next and what it costs: the seeds its undecided claims want, grouped into `smd ablate`
+invocations, and the cost model that predicts its duration.
+
+The cost model (CPU seconds on this project's 2-core machine, one thread per run, measured with short timed runs:
+README, "Reproducing the paper"): a run costs `run_s` (start, imports, the model from the warm-start cache) +
+`step_s` per GRPO step + `eval_prompt_s` per held-out prompt and evaluation (a run evaluates 2 x 2 x 2 times:
+before and after, dense cache and under eviction, sampled and greedy); each (task, seed) warm start costs
+`warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another. With `jobs` runs at once
+the runs' total divides by `jobs`. Library code: no Hydra.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from smd_cli.report.data import Sweep
+
+
+@dataclass(frozen=True)
+class Cost:
+    run_s: float
+    step_s: float
+    eval_prompt_s: float
+    warm_step_s: float
+    benchmarks_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One training run as the cost model sees it."""
+
+    task: str
+    seed: str
+    steps: int
+    eval_prompts: int
+    evaluations: int  # held-out evaluations of `eval_prompts` each
+    warm_steps: int
+
+
+def run_seconds(p: Planned, cost: Cost) -> float:
+    return cost.run_s + p.steps * cost.step_s + p.evaluations * p.eval_prompts * cost.eval_prompt_s
+
+
+def predict(runs: list[Planned], cost: Cost, jobs: int, done_warm: set = frozenset()) -> float:
+    """Wall seconds to run `runs` (`jobs` at once) and their warm starts not in `done_warm` ((task, seed) pairs),
+    benchmarks excluded."""
+    warm = {(p.task, p.seed): p.warm_steps for p in runs if (p.task, p.seed) not in done_warm}
+    return (sum(run_seconds(p, cost) for p in runs) + sum(warm.values()) * cost.warm_step_s) / jobs
+
+
+@dataclass(frozen=True)
+class Extension:
+    """One `smd ablate` invocation adding seeds: a table's role, its swept values fixed or swept (key -> values, in the
+    sweep's order), and the seeds."""
+
+    role: str
+    values: tuple[tuple[str, tuple[str, ...]], ...]
+    seeds: tuple[str, ...]
+
+    def overrides(self) -> list[str]:
+        return [*(f"{k}={','.join(v)}" for k, v in self.values), f"seed={','.join(self.seeds)}"]
+
+    @property
+    def runs(self) -> int:
+        count = len(self.seeds)
+        for _, v in self.values:
+            count *= len(v)
+        return count
+
+    @property
+    def label(self) -> str:
+        text = "seeds" + "-".join(self.seeds) + "".join(f"_{'-'.join(v)}" for _, v in self.values[:-1])
+        return re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
+
+
+def extensions(wanted: dict[tuple[str, tuple], int], sweeps: dict[str, Sweep]) -> list[Extension]:
+    """The invocations that bring every wanted cell ((role, swept values) -> seed count) to its count: the seeds
+    0 .. count - 1 it has no results for. Cells of a table wanting the same seeds are grouped by the values of their
+    swept keys but the last (whose values are swept); groups with the same last values and one other key are merged
+    (`task=needle,vote algo=smd,tis`), so that an invocation is a product of values with no run asked in vain.
+    Ordered by table, then as the cells came."""
+    groups: dict[tuple, list[str]] = {}
+    for (role, selector), count in wanted.items():
+        sweep, chosen = sweeps[role], dict(selector)
+        have = {r.values.get("seed") for r in sweep.select(**chosen) if r.ok}
+        seeds = tuple(str(s) for s in range(count) if str(s) not in have)
+        swept = [k for k in sweep.keys if k != "seed" and k in chosen]
+        if not seeds or not swept:
+            continue
+        values = groups.setdefault((role, tuple((k, chosen[k]) for k in swept[:-1]), swept[-1], seeds), [])
+        if chosen[swept[-1]] not in values:
+            values.append(chosen[swept[-1]])
+    merged: dict[tuple, list[str]] = {}
+    for (role, fixed, key, seeds), values in groups.items():
+        if len(fixed) == 1:  # one other key: merge the groups that sweep the same last values
+            outer = merged.setdefault((role, fixed[0][0], key, tuple(values), seeds), [])
+            outer.append(fixed[0][1])
+        else:
+            merged[(role, fixed, key, tuple(values), seeds)] = None
+    order = list(sweeps)
+    found = []
+    for (role, fixed, key, values, seeds), outer in merged.items():
+        ordered = sweeps[role].values  # every key's values in the sweep's order
+        swept = ((fixed, tuple(v for v in ordered(fixed) if v in outer)),) if outer is not None else tuple((k, (v,)) for k, v in fixed)
+        found.append(Extension(role, (*swept, (key, tuple(v for v in ordered(key) if v in values))), seeds))
+    return sorted(found, key=lambda e: order.index(e.role))

@@ -1,0 +1,116 @@
+"""The paper's claims on the machinery (what the learner computes, its memory and its time), and the ones this scale
+cannot test, each with its rule: bounds on benchmark ratios and on per-step fractions (`smd_cli.stats`, one look,
+the t critical value), the shadow replay's parity against the sampler read from the training runs (float32) and
+from `bench/parity_replay.py` (float32 and float64 on the same rollouts, which tells rounding from a mask error).
+"""
+
+from __future__ import annotations
+
+from smd_cli.report.claims import NOT_MEASURED, Finding
+from smd_cli.report.data import Sweep
+from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, at_least, at_most, cell
+
+PARITY_BOUND = 1e-5  # DESIGN.md contract 1, float32
+
+
+def rejection(sweep: Sweep) -> list[Finding]:
+    """Sparse-RL's rejections per task (the paper: often more than 20 % of the trajectories)."""
+    out = []
+    if "sparse_rl" not in sweep.values("algo"):
+        return out
+    for task in sweep.values("task") if "task" in sweep.keys else [""]:
+        t = {"task": task} if task else {}
+        rejected = sweep.cell("steps:is/rejected_seq_frac:mean", **t, algo="sparse_rl")
+        out.append(Finding("Sparse-RL's rejection discards many rollouts", "often > 20 % of trajectories",
+                           "fraction >= 0.2: holds if (mean - 0.2) / se >= c, does not hold if < -c (c: t critical value, n - 1 df)",
+                           f"task {task}, training" if task else "training",
+                           f"sequences vetoed per step {rejected}, tokens masked "
+                           f"{sweep.cell('steps:is/rejected_token_frac:mean', **t, algo='sparse_rl')}",
+                           NOT_MEASURED if not rejected.n else at_least(rejected, 0.2) if rejected.se is not None else INCONCLUSIVE))
+    return out
+
+
+def tldr(tasks: list[str]) -> list[Finding]:
+    if "tldr" in tasks:
+        return []
+    return [Finding("SMD beats dense in ROUGE-L on TL;DR", "SMD above dense", "-", "-", "no TL;DR at this scale", NOT_MEASURED)]
+
+
+def parity(sweeps: list[Sweep], bench: dict | None) -> list[Finding]:
+    """The shadow replay's learner log-probs equal the sampler's. With `bench` (bench/parity_replay.py's JSON, or a
+    parity check's of the same shape): judged in float64, where rounding cannot hide a mask error; the float32
+    numbers of every SMD training run and of the benchmark are the rounding beside it. Without it: the training
+    runs' float32 maximum against the float32 bound."""
+    key = "train/mismatch/max_abs_diff_max"
+    smd = [r for s in sweeps for r in s.runs if r.ok and r.values.get("algo", "smd") == "smd" and isinstance(r.summary.get(key), (int, float))]
+    naive = [r for s in sweeps for r in s.runs if r.ok and r.values.get("algo") == "naive_sparse" and isinstance(r.summary.get(key), (int, float))]
+    evidence = []
+    if smd:
+        worst = max(r.summary[key] for r in smd)
+        typical = cell(r.metric("steps:mismatch/mean_abs_diff:mean") for r in smd)
+        evidence.append(f"training, float32: max |log p_learner - log p_sampler| over every token of every step of {len(smd)} SMD "
+                        f"runs {worst:.2g}" + ("" if typical.mean is None else f", its mean per token {typical.mean:.2g}"))
+        contrast = max((r.summary[key] for r in naive), default=None)
+        if contrast is not None:
+            evidence[-1] += f" (naive_sparse's dense learner: up to {contrast:.3g})"
+    policies = {p: v for p, v in ((bench or {}).get("policies") or {}).items() if p != "none"}
+    if policies:
+        wide = max(v["float64"]["max_abs_diff"] for v in policies.values())
+        narrow = max(v["float32"]["max_abs_diff"] for v in policies.values())
+        dense = (bench["policies"].get("none") or {}).get("float32", {}).get("max_abs_diff")
+        evidence.append(f"bench/parity_replay.py, {bench.get('rows', '?')} rows of task {bench.get('task', '?')} per policy "
+                        f"({', '.join(policies)}): float32 {narrow:.2g}, float64 {wide:.2g}"
+                        + ("" if dense is None else f" (a dense rollout's float32 replay, no mask: {dense:.2g})"))
+        verdict = HOLDS if wide <= PARITY_BOUND else FAILS
+        rule = (f"holds if the float64 replay is within {PARITY_BOUND:g} of the sampler for every policy (no float32 rounding "
+                "of its own left: what remains is a mask error); the float32 numbers are the rounding")
+    elif smd:
+        verdict = HOLDS if worst <= PARITY_BOUND else FAILS
+        rule = f"holds if the largest difference <= {PARITY_BOUND:g} (float32; no float64 replay measured)"
+    else:
+        return []
+    return [Finding("The shadow mask makes the learner's policy the sampler's", "pi_sparse = pi_shadow, exactly", rule,
+                    "all SMD runs" + (", every eviction policy" if policies else ""), "; ".join(evidence), verdict)]
+
+
+def memory(bench: dict | None) -> list[Finding]:
+    if not bench:
+        return []
+    algos, views = bench["algorithms"], bench["views"]
+    size = bench["size"]
+    scope = f"{size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, {bench['device']}"
+    smd = algos["smd"]["dynamic_over_naive_sparse"]
+    sparse_rl = algos["sparse_rl"]["total_over_naive_sparse"]
+    physical, shadow = views["snapkv"]["physical"]["over_dense"], views["snapkv"]["shadow"]["over_dense"]
+    return [
+        Finding("SMD's learner stays at the baseline's memory", "SMD 100 % of baseline VRAM",
+                "holds if SMD / naive_sparse dynamic learner memory <= 1.05 (DESIGN.md contract 3)", scope,
+                f"SMD / naive_sparse {smd:.3f}", at_most(Cell(smd, None, 1), 1.05)),
+        Finding("Sparse-RL's learner needs 150 % of the baseline's memory", "+1.24 GB, 150 % of baseline",
+                "holds if Sparse-RL / naive_sparse learner memory (dynamic + static) >= 1.35 (within 10 % of 1.5)", scope,
+                f"Sparse-RL / naive_sparse {sparse_rl:.3f} (its frozen reference model included)", at_least(Cell(sparse_rl, None, 1), 1.35)),
+        Finding("Physical eviction spikes the learner's memory, the mask does not", "not-in-place allocation spikes",
+                "holds if physical / dense forward+backward >= 1.10 and shadow / dense <= 1.05 (SnapKV rollout)", scope,
+                f"physical / dense {physical:.3f}, shadow / dense {shadow:.3f}" + "".join(
+                    f"; {p}: physical {v['physical']['over_dense']:.3f}, shadow {v['shadow']['over_dense']:.3f}"
+                    for p, v in views.items() if p != "snapkv"),
+                HOLDS if physical >= 1.10 and shadow <= 1.05 else FAILS),
+    ]
+
+
+def overhead(benches: list[dict]) -> list[Finding]:
+    out = []
+    for bench in benches:
+        rounds = bench["rounds_over_naive_sparse"].get("smd")
+        if not rounds:
+            continue
+        c = cell(rounds)
+        a = bench["args"]
+        group = a.get("group", 1)
+        out.append(Finding("SMD's training step costs under 10 % more than naive sparse's", "< 10 % of training time",
+                           "holds if (1.10 - mean) / se >= c over the rounds' ratios, does not hold if < -c (c: t critical value)",
+                           f"{a['layers']} layers x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']})"
+                           + (f", {group} rows per prompt" if group > 1 else ", distinct prompts"),
+                           f"smd / naive_sparse step {c} over {c.n} rounds (median {bench['over_naive_sparse']['smd']:.3f})",
+                           at_most(c, 1.10) if c.se is not None else INCONCLUSIVE))
+    return out
