@@ -237,6 +237,10 @@ def test_every_correction_is_judged_against_smd_and_dense_and_collapsed_runs_are
     seeds = list(csv.DictReader((tmp_path / "report" / "seeds_main.csv").open()))
     assert seeds[2]["trm"].endswith("†") and seeds[0]["warm start: answer KV kept"] == "0.2"
     assert "correlate with r = +1.00" in report  # the warm start's kept evidence and the seed's mean result
+    tldr = fake_sweep(tmp_path, "paper", ["task", "algo", "seed"], [({"task": "tldr", "algo": a, "seed": str(s)}, {"eval/reward_after": r + 0.01 * s})
+                                                                   for a, r in (("dense", 0.2), ("smd", 0.3)) for s in range(3)])
+    rouge = [f for f in claims.main_table(tldr, Sequential((3,))) if f.claim == "SMD beats dense in ROUGE-L on TL;DR"]
+    assert rouge[0].verdict == HOLDS and rouge[0].paper_diff is None and machinery.tldr(["tldr"]) == []
 
 
 def test_parity_is_judged_in_float64_when_measured(tmp_path):
@@ -269,3 +273,24 @@ def test_extensions_group_cells_into_few_invocations(tmp_path):
     planned = [budget.Planned("vote", str(s), 40, 256, 8, 700) for s in range(2)]
     cost = budget.Cost(run_s=6.5, step_s=0.36, eval_prompt_s=0.0036, warm_step_s=0.247)
     assert budget.predict(planned, cost, jobs=2) == pytest.approx((2 * (6.5 + 40 * 0.36 + 8 * 256 * 0.0036) + 2 * 700 * 0.247) / 2)
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_cost_models_prediction(tmp_path, capsys):
+    """`make reproduce ARGS=dry_run=true`: what would run and the cost model's minutes, worked out here by hand from the
+    recipes (a run: start + 40 steps + 8 evaluations of 256 prompts; a warm start per task and seed; two at once)."""
+    from omegaconf import OmegaConf
+
+    recipes = ROOT / "recipes"
+    algos = OmegaConf.load(recipes / "main_table.yaml").ablate.sweep[1].split("=")[1].split(",")
+    c = OmegaConf.load(ROOT / "conf" / "reproduce.yaml").cost.tiny
+    run = c.run_s + 40 * c.step_s + 8 * 256 * c.eval_prompt_s
+    warm = 700 * c.warm_step_s
+    base = 2 * len(algos) * 3 + (36 - 9) + (15 - 3) + (30 - 6)  # the tables' runs, those they share counted once
+    cells = 2 * len(algos) + 2 + 4 + 3  # the claims' cells: the main table's, smd and sparse_rl at 0.7, 4 lambdas, 3 selections
+    now, worst = (base * run + 6 * warm) / 2, (cells * 5 * run + 2 * 5 * warm) / 2  # 5 seeds more for 2 tasks
+    main(["reproduce", "dry_run=true", f"root={tmp_path / 'root'}"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"cost model: {base} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of 8 seeds, {cells * 5} runs "
+            f"more, {worst / 60:.0f} min; benchmarks {c.benchmarks_s / 60:.0f} min: at most {(now + worst + c.benchmarks_s) / 60:.0f} min") in text
+    assert not (tmp_path / "root" / "members").exists()

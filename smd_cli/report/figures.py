@@ -26,7 +26,7 @@ def _pyplot():
 def _finish(plt, fig, axes, title: str, path: Path) -> Path:
     """Legends where something is drawn, the title, and the PNG at `path`."""
     for ax in axes:
-        if ax.lines or ax.containers:
+        if ax.lines or ax.containers or ax.collections:
             ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()

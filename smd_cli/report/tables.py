@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from smd_cli.report.claims import MARGIN, PAPER_GSM8K, VIEWS, Finding
+from smd_cli.report.claims import GREATER, MARGIN, NOT_WORSE, PAPER_GSM8K, VIEWS, Finding
 from smd_cli.report.data import Sweep
 from smd_cli.stats import Cell, cell, number
 
@@ -108,12 +108,13 @@ def corrections(findings: list[Finding], sweep: Sweep) -> dict[str, tuple[list[s
     """Two tables: each evicting algorithm against dense (does it recover the dense learner's result, within the
     margin) and SMD against each, per task and view: verdict (paired difference ± se, seeds)."""
     tasks = sweep.values("task") if "task" in sweep.keys else [""]
-    by = {(f.scope, f.view, f.pair): f for f in findings if f.pair != ("", "")}
+    to_dense = {(f.scope, f.view, f.pair[0]): f for f in findings if f.pair[1] == "dense" and f.rule == NOT_WORSE}
+    to_smd = {(f.scope, f.view, f.pair[1]): f for f in findings if f.pair[0] == "smd" and f.pair[1] != "dense" and f.rule == GREATER}
     columns = [f"{'task ' + task + ', ' if task else ''}{view}" for task in tasks for view in VIEWS]
     scopes = [(f"task {task}" if task else "main table", view) for task in tasks for view in VIEWS]
     algos = [a for a in sweep.values("algo") if a != "dense"]
-    against_dense = [[a, *(verdict_cell(by.get((s, v, (a, "dense")))) for s, v in scopes)] for a in algos]
-    against_smd = [[a, *(verdict_cell(by.get((s, v, ("smd", a)))) for s, v in scopes)] for a in algos if a != "smd"]
+    against_dense = [[a, *(verdict_cell(to_dense.get((s, v, a))) for s, v in scopes)] for a in algos]
+    against_smd = [[a, *(verdict_cell(to_smd.get((s, v, a))) for s, v in scopes)] for a in algos if a != "smd"]
     return {"recover_dense": (["algo: matches dense within " + str(MARGIN), *columns], against_dense),
             "smd_against": (["SMD > algo", *columns], against_smd)}
 
@@ -123,7 +124,7 @@ def recover_sentences(findings: list[Finding]) -> list[str]:
     lines = []
     groups: dict[tuple, dict[str, list[str]]] = {}
     for f in findings:
-        if f.pair[1] == "dense" and f.pair[0] != "dense" and f.rule.startswith("a matches b"):
+        if f.pair[1] == "dense" and f.rule == NOT_WORSE:
             groups.setdefault((f.scope, f.view), {}).setdefault(f.verdict, []).append(f.pair[0])
     for (scope, view), verdicts in groups.items():
         parts = [f"{label}: {', '.join(verdicts[v])}" for v, label in (("holds", "recover"), ("does not hold", "do not"),
