@@ -1,7 +1,7 @@
 """The paper's claims on the machinery (what the learner computes, its memory and its time), and the ones this scale
 cannot test, each with its rule: bounds on benchmark ratios and on per-step fractions (`smd_cli.stats`, one look,
 the t critical value), the shadow replay's parity against the sampler read from the training runs (float32) and
-from `bench/parity_replay.py` (float32 and float64 on the same rollouts, which tells rounding from a mask error).
+from `smd check-parity`'s parity.json (every eviction policy, float32 and float64: rounding told from a mask error).
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ def tldr(tasks: list[str]) -> list[Finding]:
     return [Finding("SMD beats dense in ROUGE-L on TL;DR", "SMD above dense", "-", "-", "no TL;DR at this scale", NOT_MEASURED)]
 
 
-def parity(sweeps: list[Sweep], bench: dict | None) -> list[Finding]:
-    """The shadow replay's learner log-probs equal the sampler's. With `bench` (bench/parity_replay.py's JSON, or a
-    parity check's of the same shape): judged in float64, where rounding cannot hide a mask error; the float32
-    numbers of every SMD training run and of the benchmark are the rounding beside it. Without it: the training
-    runs' float32 maximum against the float32 bound."""
+def parity(sweeps: list[Sweep], check: dict | None) -> list[Finding]:
+    """The shadow replay's learner log-probs equal the sampler's. With `check` (`smd check-parity`'s parity.json): judged
+    by its float64 replay, where rounding cannot hide a mask error (a miss beyond the bound and beyond 10 x the float32
+    rounding), every eviction policy; the float32 numbers of every SMD training run and of the check are the rounding
+    beside it. Without it: the training runs' float32 maximum against the float32 bound."""
     key = "train/mismatch/max_abs_diff_max"
     smd = [r for s in sweeps for r in s.runs if r.ok and r.values.get("algo", "smd") == "smd" and isinstance(r.summary.get(key), (int, float))]
     naive = [r for s in sweeps for r in s.runs if r.ok and r.values.get("algo") == "naive_sparse" and isinstance(r.summary.get(key), (int, float))]
@@ -53,17 +53,19 @@ def parity(sweeps: list[Sweep], bench: dict | None) -> list[Finding]:
         contrast = max((r.summary[key] for r in naive), default=None)
         if contrast is not None:
             evidence[-1] += f" (naive_sparse's dense learner: up to {contrast:.3g})"
-    policies = {p: v for p, v in ((bench or {}).get("policies") or {}).items() if p != "none"}
+    policies = {p: r for p, r in ((check or {}).get("policies") or {}).items() if "shadow_float64" in r.get("views", {})}
     if policies:
-        wide = max(v["float64"]["max_abs_diff"] for v in policies.values())
-        narrow = max(v["float32"]["max_abs_diff"] for v in policies.values())
-        dense = (bench["policies"].get("none") or {}).get("float32", {}).get("max_abs_diff")
-        evidence.append(f"bench/parity_replay.py, {bench.get('rows', '?')} rows of task {bench.get('task', '?')} per policy "
-                        f"({', '.join(policies)}): float32 {narrow:.2g}, float64 {wide:.2g}"
-                        + ("" if dense is None else f" (a dense rollout's float32 replay, no mask: {dense:.2g})"))
-        verdict = HOLDS if wide <= PARITY_BOUND else FAILS
-        rule = (f"holds if the float64 replay is within {PARITY_BOUND:g} of the sampler for every policy (no float32 rounding "
-                "of its own left: what remains is a mask error); the float32 numbers are the rounding")
+        views = {p: r["views"] for p, r in policies.items()}
+        wrong = [p for p, r in policies.items() if "shadow_float64" in r.get("failed", [])]
+        evidence.append(f"smd check-parity, {', '.join(policies)}: shadow replay in float32 up to "
+                        f"{max(v['shadow']['max_abs_diff'] for v in views.values()):.2g}, in float64 up to "
+                        f"{max(v['shadow_float64']['max_abs_diff'] for v in views.values()):.2g} (float32 rounding up to "
+                        f"{max(v['shadow_float64']['rounding'] for v in views.values()):.2g})"
+                        + (f"; a mask error under {', '.join(wrong)}" if wrong else ""))
+        verdict = FAILS if wrong else HOLDS
+        rule = (f"holds if no eviction policy's float64 replay misses the sampler beyond {check.get('bound', PARITY_BOUND):g} and "
+                "beyond 10 x the float32 rounding (smd check-parity: what float64 leaves is a mask error); the float32 numbers "
+                "are the rounding")
     elif smd:
         verdict = HOLDS if worst <= PARITY_BOUND else FAILS
         rule = f"holds if the largest difference <= {PARITY_BOUND:g} (float32; no float64 replay measured)"

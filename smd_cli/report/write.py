@@ -73,7 +73,7 @@ def _str(value) -> str:
 
 def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict, rule: Sequential | None = None) -> Path:
     """REPORT.md for the sweeps of roles `main`, `compression`, `lambda`, `selection` (any may be missing) and the
-    benchmarks (`learner_memory`: one result, `step_overhead`: a list, `parity_replay`: one result), under `header`
+    benchmarks (`learner_memory`: one result, `step_overhead`: a list, `parity_check`: smd check-parity's parity.json), under `header`
     (scale, commit, versions, machine, wall seconds, commands, the cost model's prediction), the policy claims judged
     by `rule` (seeds until decided; default: one look at the seeds there are)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -96,7 +96,7 @@ def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict,
                                      ("selection", "Token-selection ablation", "eviction", figures.ablation_bars)):
         if role in sweeps:
             _ablation_section(r, sweeps[role], title, x_key, plot)
-    _parity_section(r, bench.get("parity_replay"))
+    _parity_section(r, bench.get("parity_check"))
     _memory_section(r, bench.get("learner_memory"))
     _overhead_section(r, bench.get("step_overhead") or [])
     _runs_csv(out, sweeps)
@@ -166,7 +166,7 @@ def _machinery(sweeps: dict[str, Sweep], bench: dict) -> list[claims.Finding]:
     main = sweeps.get("main")
     found = machinery.rejection(main) if main is not None else []
     found += machinery.tldr(main.values("task") if main is not None and "task" in main.keys else [])
-    found += machinery.parity(list(sweeps.values()), bench.get("parity_replay"))
+    found += machinery.parity(list(sweeps.values()), bench.get("parity_check"))
     found += machinery.memory(bench.get("learner_memory"))
     found += machinery.overhead(bench.get("step_overhead") or [])
     return found
@@ -287,18 +287,22 @@ def _ablation_section(r: Report, sweep: Sweep, title: str, x_key: str, plot) -> 
     r.figure(plot(sweep, x_key, r.out, sweep.name), title)
 
 
-def _parity_section(r: Report, bench: dict | None) -> None:
-    if not bench or not bench.get("policies"):
+def _parity_section(r: Report, check: dict | None) -> None:
+    if not check or not check.get("policies"):
         return
-    r.text("## Parity in float32 and float64",
-           f"`python bench/parity_replay.py`: {bench.get('rows', '?')} rollouts of task {bench.get('task', '?')} (seed "
-           f"{bench.get('seed', '?')}'s warm start) per eviction policy at c = {bench.get('compression', '?')}, scored by the shadow "
-           "replay, once with the model in float32 and once in float64 (rollout and replay). In float64 the replay has no rounding "
-           "of its own, so what stays above the sampler's own float32 rounding is a mask error; `none` is a dense rollout (no mask).")
-    r.table("parity", ["policy", "float32 max", "float32 mean", "float64 max", "float64 mean", "a dense learner's mean"],
-            [[p, f"{v['float32']['max_abs_diff']:.2g}", f"{v['float32']['mean_abs_diff']:.2g}", f"{v['float64']['max_abs_diff']:.2g}",
-              f"{v['float64']['mean_abs_diff']:.2g}", f"{v['float32'].get('dense_mean_abs_diff', float('nan')):.3g}"]
-             for p, v in bench["policies"].items()])
+    r.text("## Parity: the lr = 0 protocol, float32 and float64",
+           f"`smd check-parity`: {next(iter(check['policies'].values())).get('rows', '?')} rollouts of task {check.get('task', '?')} (seed "
+           f"{check.get('seed', '?')}'s warm start) per eviction policy at c = {check.get('compression', '?')}, scored by the learner at "
+           "the sampler's own weights in each view, and by the shadow replay with the model in float64 (float32 rounding gone "
+           "from the learner's side: a mask error survives it, rounding does not). Largest |log p_view - log p_sampler|:")
+    rows = []
+    for name, p in check["policies"].items():
+        v = p.get("views", {})
+        rows.append([name, *(f"{v[k]['max_abs_diff']:.2g}" if k in v else "-" for k in ("shadow", "physical", "shadow_float64")),
+                     f"{v['shadow_float64']['rounding']:.2g}" if "shadow_float64" in v else "-",
+                     f"{v['dense']['mean_abs_diff']:.3g}" if "dense" in v else "-", "yes" if p.get("passed") else "no", p.get("verdict", "")])
+    r.table("parity", ["policy", "shadow (float32)", "physical", "shadow, float64", "float32 rounding", "dense learner's mean",
+                       "passed", "verdict"], rows)
 
 
 def _memory_section(r: Report, bench: dict | None) -> None:

@@ -9,8 +9,9 @@ GPU and the Hugging Face Hub (or its local cache) are there. Then the sweeps run
 `jobs` runs at once (Hydra's joblib launcher). Seeds until decided (`sequential.SCALE`, `smd_cli.stats.Sequential`):
 the claims are judged from the runs there are, and every cell of a claim still undecided gets the seeds of the next
 look, through `smd ablate +recipe=NAME KEY=v ... seed=a,b` (printed as it runs; finished runs are reused), until
-every claim is decided or at its cap. Then the benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`,
-`bench/parity_replay.py`) write their JSON, and `smd_cli.report` writes REPORT.md with its CSVs and PNGs. A failed
+every claim is decided or at its cap. Then `smd check-parity` (every eviction policy, float32 and float64) and the
+benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`) write their JSON, and `smd_cli.report` writes
+REPORT.md with its CSVs and PNGs. A failed
 run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
 result it finds, and reaches the same seeds (the verdicts are a function of the runs).
 """
@@ -220,6 +221,7 @@ def run(cfg: DictConfig) -> dict:
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
     added, rounds = add_seeds(cfg, scale, tables, root, seq)
     bench = run_benchmarks(cfg, "quick" if cfg.quick else scale, root / "bench")
+    bench["parity_check"] = run_parity(cfg, "quick" if cfg.quick else scale, root / "bench" / "check_parity")
     seconds = record_time(root, started, pending + added)
     make = f"make reproduce{' SCALE=paper' if cfg.paper else ''}{' QUICK=1' if cfg.quick else ''}"
     header = {"scale": scale, "quick": cfg.quick, "command": f"{make} (smd reproduce)", "rerun": make,
@@ -292,8 +294,22 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
                     console.print(f"[yellow]warning:[/yellow] bench/{name}.py failed (exit {code}): its table is left out")
                     continue
             results.setdefault(name, []).append(json.loads(path.read_text()))
-    return {"learner_memory": (results.get("learner_memory") or [None])[0], "step_overhead": results.get("step_overhead", []),
-            "parity_replay": (results.get("parity_replay") or [None])[0]}
+    return {"learner_memory": (results.get("learner_memory") or [None])[0], "step_overhead": results.get("step_overhead", [])}
+
+
+def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
+    """`smd check-parity` with `parity_check.WHICH` (its parity.json kept when it is there already; a failed check is a
+    result: it writes parity.json and exits 1)."""
+    overrides = cfg.parity_check.get(which)
+    path = where / "parity.json"
+    if overrides is None:
+        return None
+    if not path.is_file():
+        run_logged([sys.executable, "-m", "smd_cli.cli", "check-parity", *map(str, overrides), "progress=false", f"hydra.run.dir={where}"])
+    if not path.is_file():
+        console.print("[yellow]warning:[/yellow] smd check-parity wrote no parity.json: the parity claim reads the runs alone")
+        return None
+    return json.loads(path.read_text())
 
 
 def record_time(root: Path, started: float, ran: int) -> float:
