@@ -298,6 +298,7 @@ def test_dry_run_prints_the_cost_models_prediction(tmp_path, capsys):
     now, worst = (base * run + 6 * warm) / 2, (cells * 5 * run + 2 * 5 * warm) / 2  # 5 seeds more for 2 tasks
     main(["reproduce", "dry_run=true", f"root={tmp_path / 'root'}"])
     text = " ".join(capsys.readouterr().out.split())
+    rest = c.benchmarks_s + c.overhead_s
     assert (f"cost model: {base} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of 8 seeds, {cells * 5} runs "
-            f"more, {worst / 60:.0f} min; benchmarks {c.benchmarks_s / 60:.0f} min: at most {(now + worst + c.benchmarks_s) / 60:.0f} min") in text
+            f"more, {worst / 60:.0f} min; benchmarks and the rest {rest / 60:.0f} min: at most {(now + worst + rest) / 60:.0f} min") in text
     assert not (tmp_path / "root" / "members").exists()

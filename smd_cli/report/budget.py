@@ -5,8 +5,9 @@ The cost model (CPU seconds on this project's 2-core machine, one thread per run
 README, "Reproducing the paper"): a run costs `run_s` (start, imports, the model from the warm-start cache) +
 `step_s` per GRPO step + `eval_prompt_s` per held-out prompt and evaluation (a run evaluates 2 x 2 x 2 times:
 before and after, dense cache and under eviction, sampled and greedy); each (task, seed) warm start costs
-`warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another. With `jobs` runs at once
-the runs' total divides by `jobs`. Library code: no Hydra.
+`warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another, and `overhead_s` the rest
+(each `smd ablate`'s start and its last run alone on a core, the report). With `jobs` runs at once the runs' total
+divides by `jobs`. Library code: no Hydra.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class Cost:
     eval_prompt_s: float
     warm_step_s: float
     benchmarks_s: float = 0.0
+    overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,24 @@ def predict(runs: list[Planned], cost: Cost, jobs: int, done_warm: set = frozens
     benchmarks excluded."""
     warm = {(p.task, p.seed): p.warm_steps for p in runs if (p.task, p.seed) not in done_warm}
     return (sum(run_seconds(p, cost) for p in runs) + sum(warm.values()) * cost.warm_step_s) / jobs
+
+
+def prediction(planned: dict, cells: set, todo: set[str], cap: int, cost: Cost, jobs: int) -> str:
+    """The minutes of the runs to run now (`planned`: (role, cell, seed) -> (identity, Planned); those in `todo`), and of
+    the seeds every claim would add if none were decided before `cap` (the claims' `cells`, a run shared by tables
+    counted once: the worst case), with the benchmarks and the rest."""
+    base = {ident: p for ident, p in planned.values() if ident in todo}
+    now = predict(list(base.values()), cost, jobs)
+    firsts = [(ident, p) for (role, cell, seed), (ident, p) in planned.items() if (role, cell) in cells]
+    seeds = sorted({p.seed for _, p in firsts}, key=int)
+    extra = {ident: p for ident, p in firsts if p.seed == seeds[0]} if seeds else {}
+    more = [Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps) for p in extra.values()
+            for s in range(len(seeds), cap)]
+    worst = predict(more, cost, jobs)
+    rest = cost.benchmarks_s + cost.overhead_s
+    return (f"{len(base)} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of {cap} seeds, "
+            f"{len(more)} runs more, {worst / 60:.0f} min; benchmarks and the rest {rest / 60:.0f} min: at most "
+            f"{(now + worst + rest) / 60:.0f} min with {jobs} runs at once")
 
 
 @dataclass(frozen=True)

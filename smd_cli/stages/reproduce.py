@@ -126,25 +126,12 @@ def planned_run(ablate_cfg: DictConfig, task: str, seed: str) -> budget.Planned:
 
 
 def predict(cfg: DictConfig, scale: str, rule: Sequential, planned: dict, plans: dict[str, Sweep], todo: set[str]) -> str | None:
-    """The cost model's minutes for the runs to run now, and for the seeds every claim would add if none were decided
-    before the cap (the worst case: a run shared by tables counted once)."""
+    """The cost model's prediction (`budget.prediction`) with this scale's `cost`, or None without one."""
     c = cfg.cost.get("quick" if cfg.quick else scale)
     if not c:
         return None
-    cost = budget.Cost(**c)
-    base = {ident: p for ident, p in planned.values() if ident in todo}
-    now = budget.predict(list(base.values()), cost, cfg.jobs)
     cells = {(role, tuple(sorted(sel.items()))) for f in claims.policies(plans, rule) for role, sel in f.cells}
-    firsts = [(ident, p) for (role, sel, seed), (ident, p) in planned.items() if (role, sel) in cells]
-    seeds = sorted({p.seed for _, p in firsts}, key=int)
-    extra = {ident: p for ident, p in firsts if p.seed == seeds[0]} if seeds else {}
-    more = [budget.Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps)
-            for p in extra.values() for s in range(len(seeds), rule.cap)]
-    worst = budget.predict(more, cost, cfg.jobs)
-    bench = cost.benchmarks_s
-    return (f"{len(base)} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of {rule.cap} seeds, "
-            f"{len(more)} runs more, {worst / 60:.0f} min; benchmarks {bench / 60:.0f} min: at most {(now + worst + bench) / 60:.0f} min "
-            f"with {cfg.jobs} runs at once")
+    return budget.prediction(planned, cells, todo, rule.cap, budget.Cost(**c), cfg.jobs)
 
 
 def paper_requirements() -> list[str]:
