@@ -302,3 +302,11 @@ def test_dry_run_prints_the_cost_models_prediction(tmp_path, capsys):
     assert (f"cost model: {base} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of 8 seeds, {cells * 5} runs "
             f"more, {worst / 60:.0f} min; benchmarks and the rest {rest / 60:.0f} min: at most {(now + worst + rest) / 60:.0f} min") in text
     assert not (tmp_path / "root" / "members").exists()
+
+
+def test_a_bad_sequential_rule_is_a_config_error(capsys):
+    for bad, why in (("sequential.tiny.looks=[5,3]", "looks must be increasing seed counts >= 1, got [5, 3]"),
+                     ("sequential.tiny.alpha=0.7", "need 0 < alpha < 0.5")):
+        with pytest.raises(SystemExit) as done:
+            main(["reproduce", bad, "dry_run=true"])
+        assert done.value.code == 2 and why in " ".join(capsys.readouterr().err.split())
