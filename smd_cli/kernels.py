@@ -65,8 +65,10 @@ def grouped(query, key, value, mask: torch.Tensor, scaling: float) -> torch.Tens
     groups = heads // kv_heads
     if mask.shape[2] != 1 and groups > 1:  # per-row masks repeat for each folded query head
         mask = mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(mask.shape[0], mask.shape[1], groups * rows, -1)
-    out = F.scaled_dot_product_attention(_fold(query, kv_heads), key, value, attn_mask=mask, scale=scaling)
-    return out.view(batch, heads, rows, dim)
+    out = F.scaled_dot_product_attention(_fold(query, kv_heads), key, value, attn_mask=mask, scale=scaling)  # [B, Hkv, G * q, D]
+    # not `view`: CUDA's memory-efficient kernel (the one a boolean mask selects) returns [B, Hkv, G * q, D] as a
+    # transposed [B, G * q, Hkv, D] buffer, which no view folds back when Hkv > 1 and G > 1 (a copy then)
+    return out.reshape(batch, heads, rows, dim)
 
 
 def grouped_probs(query, key, mask: torch.Tensor, scaling: float) -> torch.Tensor:
