@@ -160,7 +160,7 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     if size() == 1:
         return None
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     mesh = init_device_mesh(device.type, (size(),))
     # forward inputs are left alone: they are already in the compute dtype (the embedding's output), and the smd
@@ -168,6 +168,8 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None, cast_forward_inputs=False)
     for layer in model.base_model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
+        setattr(layer, LAYER_PASS, _call)
+        register_fsdp_forward_method(layer, LAYER_PASS)  # `layer_pass`: one gather for all of a pass's calls of the layer
     root = fully_shard(LearnerPass(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     root.compute_dtype = param_dtype  # None: float32 compute
     for module in _fsdp_modules(root):
@@ -176,6 +178,24 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
     root(lambda m: None)  # the root's lazy initialisation, before any layer runs on its own in a rollout
     _resharded(root)  # the sharded parameters registered again: the optimizer is built on them
     return root
+
+
+LAYER_PASS = "smd_layer_pass"
+
+
+def _call(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def layer_pass(layer: torch.nn.Module, fn, *args, **kwargs):
+    """`fn(layer, *args, **kwargs)`: every call that one pass of the learner makes of one decoder layer (the prompt
+    rows, then each view's response rows), run as one forward of that layer. `fn` calls `layer.forward`, which
+    skips module hooks but keeps transformers' gradient checkpointing. Under FSDP2 (`shard` registers the method)
+    the layer's weights are then gathered once for the pass and once for its backward, and its gradients
+    reduced once, instead of at every call (`reshard_after_forward` would free them between calls); tensors that
+    need a gradient go in `args`, so that FSDP knows when the pass's backward is over. One process: `fn` as is."""
+    run = getattr(layer, LAYER_PASS, None)
+    return fn(layer, *args, **kwargs) if run is None else run(fn, layer, *args, **kwargs)
 
 
 def _fsdp_modules(root) -> list:

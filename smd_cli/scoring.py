@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from smd_cli import sampling
 from smd_cli.attention import PromptTap, use_smd_attention
+from smd_cli.distributed import layer_pass
 from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
 
 CHUNK_LOGITS = 1 << 23  # logits per vocabulary chunk by default: 32 MiB in float32
@@ -59,7 +60,7 @@ def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_
         check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if _decoder_layout(model) else None
     if groups is not None:
-        return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)])[0]
+        return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)], backend)[0]
     extra = {}
     if evict_at is not None:
         extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend)
@@ -87,74 +88,95 @@ def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: i
     check_evict_at(evict_at, input_ids, attention_mask, P)
     groups = prompt_groups(input_ids, attention_mask, P)
     if groups is not None:
-        shadow_rows, teacher = shared_prompt_views(model, input_ids, attention_mask, P, groups, [(evict_at, True), (None, False)])
+        shadow_rows, teacher = shared_prompt_views(model, input_ids, attention_mask, P, groups, [(evict_at, True), (None, False)], backend)
         return shadow_rows, teacher
-    shadow, tap = Replay.of(evict_at, attention_mask, P, backend), PromptTap(P)
+    shadow = Replay.of(evict_at, attention_mask, P, backend)
     positions = position_ids_from_mask(attention_mask)
     hidden = backbone.embed_tokens(input_ids)  # [B, T, Hd]
     rotary = backbone.rotary_emb(hidden, positions)
     with torch.no_grad():
         teacher = backbone.embed_tokens(input_ids[:, P:])  # [B, R, Hd]: the response rows only
         teacher_rotary = backbone.rotary_emb(teacher, positions[:, P:])
+    context = dict(attention_mask=attention_mask, rotary=rotary, teacher_rotary=teacher_rotary, positions=positions, shadow=shadow, P=P)
     for layer in backbone.layers[: model.config.num_hidden_layers]:
-        tap.armed = True
-        hidden = layer(hidden, attention_mask=attention_mask, position_embeddings=rotary, position_ids=positions,
-                       shadow=shadow, prompt_tap=tap)
-        with torch.no_grad():
-            teacher = layer(teacher, attention_mask=attention_mask, position_embeddings=teacher_rotary,
-                            position_ids=positions[:, P:], prompt_kv=tap.take())
+        hidden, teacher = layer_pass(layer, _replay_then_teacher, hidden, teacher, context=context)
     hidden = backbone.norm(hidden)
     with torch.no_grad():
         teacher = torch.cat([hidden[:, P - 1 : P].detach(), backbone.norm(teacher)[:, :-1]], 1)  # row P-1 is shared
     return hidden[:, P - 1 : -1], teacher
 
 
-def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, groups, views) -> list[torch.Tensor]:
+def _replay_then_teacher(layer, hidden, teacher, context):
+    """One layer of `shadow_and_teacher_hidden`: the replay over every row [B, T, Hd], then the teacher's response
+    rows [B, R, Hd] on the replay's prompt keys and values (no gradient). Called through `layer_pass`, so that
+    the layer runs as one forward (and one backward) however many calls it makes; `layer.forward` skips module
+    hooks (FSDP2's run once, around the pass) but not transformers' gradient checkpointing."""
+    c, tap = context, PromptTap(context["P"], armed=True)
+    hidden = layer.forward(hidden, attention_mask=c["attention_mask"], position_embeddings=c["rotary"], position_ids=c["positions"],
+                           shadow=c["shadow"], prompt_tap=tap)
+    with torch.no_grad():
+        teacher = layer.forward(teacher, attention_mask=c["attention_mask"], position_embeddings=c["teacher_rotary"],
+                                position_ids=c["positions"][:, c["P"]:], prompt_kv=tap.take())
+    return hidden, teacher
+
+
+def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, groups, views, backend: str = "auto") -> list[torch.Tensor]:
     """The response hidden states [N, R, Hd] of several views of rows whose prompts repeat, each prompt computed once.
 
     Every prompt row is the same in every view and for every sample of a prompt (causal attention: a prompt
     never sees a response; evictions start after the prefill), so the distinct prompts [U, P] go through each
     layer once, and each view's response rows [N, R] then attend to their prompt's keys and values (handed over
     by the attention, `PromptTap`, with their gradient) followed by their own: densely, or under the view's
-    shadow mask. `views`: (evict_at or None, with gradient) per view. GRPO's G samples share each prompt, so
-    the prompt, most of a long-context sequence, costs 1/G of a forward and backward: the same sums as one
-    forward per row, in another order (equal to float rounding, tested)."""
+    shadow mask, replayed by `backend` (flex over the [R, T] grid of the response rows, or SDPA). `views`:
+    (evict_at or None, with gradient) per view. GRPO's G samples share each prompt, so the prompt, most of a
+    long-context sequence, costs 1/G of a forward and backward: the same sums as one forward per row, in another
+    order (equal to float rounding, tested). Each layer runs all its calls as one forward (`layer_pass`)."""
     backbone, P = model.base_model, prompt_length
     first, owner = groups
     positions = position_ids_from_mask(attention_mask)  # [N, T]
     prompt_mask, prompt_positions = attention_mask[first, :P], positions[first, :P]
     hidden = backbone.embed_tokens(input_ids[first, :P])  # [U, P, Hd]
     rotary = backbone.rotary_emb(hidden, prompt_positions)
-    replays = [None if evict_at is None else Replay.of(evict_at, attention_mask, P, "sdpa") for evict_at, _ in views]
+    replays = [None if evict_at is None else Replay.of(evict_at, attention_mask, P, backend) for evict_at, _ in views]
     rows = []
     for _, grad in views:
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             rows.append(backbone.embed_tokens(input_ids[:, P:]))  # [N, R, Hd]
-    rows_rotary = backbone.rotary_emb(rows[0], positions[:, P:])
-    tap = PromptTap(P, keep_grad=True)
+    context = dict(prompt_mask=prompt_mask, rotary=rotary, prompt_positions=prompt_positions, attention_mask=attention_mask,
+                   rows_rotary=backbone.rotary_emb(rows[0], positions[:, P:]), positions=positions, owner=owner, P=P,
+                   grads=[grad and torch.is_grad_enabled() for _, grad in views], replays=replays, step=max(len(first), TEACHER_ROWS))
     for layer in backbone.layers[: model.config.num_hidden_layers]:
-        tap.armed = True
-        hidden = layer(hidden, attention_mask=prompt_mask, position_embeddings=rotary, position_ids=prompt_positions, prompt_tap=tap)
-        key, value = tap.take()  # [U, Hkv, P, D]: each distinct prompt's, expanded to its rows by the attention
-        for i, ((_, grad), replay) in enumerate(zip(views, replays)):
-            if grad and torch.is_grad_enabled():
-                rows[i] = layer(rows[i], attention_mask=attention_mask, position_embeddings=rows_rotary, position_ids=positions[:, P:],
-                                prompt_kv=(key, value, owner), shadow=replay)
-                continue
-            with torch.no_grad():  # nothing is kept for a backward: a few rows at a time, so that the rows' copies of
-                parts = []         # their prompt's keys and values stay about the size of the prompts' own
-                step = max(len(first), TEACHER_ROWS)
-                for s in (slice(r, r + step) for r in range(0, owner.shape[0], step)):
-                    parts.append(layer(rows[i][s], attention_mask=attention_mask[s], position_embeddings=tuple(t[s] for t in rows_rotary),
-                                       position_ids=positions[s, P:], prompt_kv=(key.detach(), value.detach(), owner[s]),
-                                       shadow=None if replay is None else replay.rows(s)))
-                rows[i] = torch.cat(parts)
+        hidden, *rows = layer_pass(layer, _prompt_then_rows, hidden, *rows, context=context)
     last = backbone.norm(hidden[:, P - 1 :])[owner]  # [N, 1, Hd]: the prompt's last row predicts the first response token
     out = []
     for (_, grad), response in zip(views, rows):
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
             out.append(torch.cat([last if grad else last.detach(), backbone.norm(response[:, :-1])], 1))  # [N, R, Hd]
     return out
+
+
+def _prompt_then_rows(layer, hidden, *rows, context):
+    """One layer of `shared_prompt_views`: the distinct prompts [U, P, Hd], then each view's response rows [N, R, Hd]
+    on their prompt's keys and values. Called through `layer_pass` (one forward of the layer for all its calls)."""
+    c = context
+    tap = PromptTap(c["P"], armed=True, keep_grad=True)
+    hidden = layer.forward(hidden, attention_mask=c["prompt_mask"], position_embeddings=c["rotary"], position_ids=c["prompt_positions"],
+                           prompt_tap=tap)
+    key, value = tap.take()  # [U, Hkv, P, D]: each distinct prompt's, expanded to its rows by the attention
+    positions, owner, out = c["positions"][:, c["P"]:], c["owner"], []
+    for response, grad, replay in zip(rows, c["grads"], c["replays"]):
+        if grad:
+            out.append(layer.forward(response, attention_mask=c["attention_mask"], position_embeddings=c["rows_rotary"], position_ids=positions,
+                                     prompt_kv=(key, value, owner), shadow=replay))
+            continue
+        with torch.no_grad():  # nothing is kept for a backward: a few rows at a time, so that the rows' copies of
+            parts = []         # their prompt's keys and values stay about the size of the prompts' own
+            for s in (slice(r, r + c["step"]) for r in range(0, owner.shape[0], c["step"])):
+                parts.append(layer.forward(response[s], attention_mask=c["attention_mask"][s], position_embeddings=tuple(t[s] for t in c["rows_rotary"]),
+                                           position_ids=positions[s], prompt_kv=(key.detach(), value.detach(), owner[s]),
+                                           shadow=None if replay is None else replay.rows(s)))
+            out.append(torch.cat(parts))
+    return (hidden, *out)
 
 
 def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:

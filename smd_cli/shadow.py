@@ -11,10 +11,13 @@ Replay (`replay`, called by the model's attention for a forward given `shadow=Re
 - backend "sdpa" (CPU, and anywhere flex is not wanted): the prompt rows (i < P) are plain causal
   attention with left padding (evictions start at P), so they take the mask-free causal kernel; only the
   response rows build a per-KV-head mask [B, Hkv, R, T], with the query groups folded (`kernels.grouped`).
-- backend "flex" (CUDA by default): `flex_attention` with one `BlockMask` per forward (`block_mask`),
-  built from block indices alone (every causal block, no [T, T] evaluation) and shared by all layers
-  and by the recompute of gradient checkpointing; each layer swaps in a `mask_mod` that reads its own
-  slice of `evict_at`, so nothing T x T is ever materialised.
+- backend "flex" (CUDA by default): `flex_attention`, compiled once per process and made shape-generic at the
+  first change of B or T (`compiled_flex`), with one `BlockMask` per forward and grid (`Replay.flex_mask`: the whole sequence, or the
+  response rows after a prompt computed once for its samples), built from block indices alone (every causal
+  block, no [T, T] evaluation) and shared by all layers and by the recompute of gradient checkpointing; each
+  layer swaps in a `mask_mod` that reads its own slice of `evict_at`, so nothing T x T is ever materialised.
+  A compile that fails warns once and the replay runs on SDPA from then on (`flex_failure`); the CPU, where
+  flex has no backward, replays with SDPA wherever a gradient is needed.
 The `Replay` travels as a keyword argument of the forward, so the recompute that gradient checkpointing
 runs during `backward()` replays the very same mask.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,33 +94,39 @@ class Replay:
     """What a forward needs to replay a rollout's shadow mask; passed to the model as `shadow=`.
 
     evict_at [B, L, Hkv, T]; prompt_length P (prompt rows share plain causal attention); backend "sdpa" or
-    "flex"; block_mask: the flex `BlockMask` of the whole forward; key_columns / query_columns: for the
-    physical learner's chunks, the original columns of the cached keys (a list per layer of [B, Hkv, S])
+    "flex"; block_masks: the flex `BlockMask`s of the forward, one per grid (the whole [T, T] square, or the
+    response rows' [R, T]), built once and shared by every layer and the recompute; key_columns / query_columns:
+    for the physical learner's chunks, the original columns of the cached keys (a list per layer of [B, Hkv, S])
     and of the queries [q]."""
 
     evict_at: torch.Tensor
     prompt_length: int = 0
     backend: str = "sdpa"
-    block_mask: Any = None
+    block_masks: dict = field(default_factory=dict)
     left_pad: torch.Tensor | None = None  # [B] padding columns before each prompt
     key_columns: list[torch.Tensor] | None = None
     query_columns: torch.Tensor | None = None
 
     def rows(self, rows: slice) -> "Replay":
-        """The replay of some rows of the batch (an SDPA replay, as `shared_prompt_views` uses it)."""
+        """The replay of some rows of the batch (the block masks hold for any rows: they are [1, 1])."""
         left_pad = None if self.left_pad is None else self.left_pad[rows]
-        return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_mask, left_pad)
+        return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_masks, left_pad)
+
+    def flex_mask(self, queries: int, width: int):
+        """The causal BlockMask of `queries` query columns ending at column width-1, against `width` keys."""
+        if (queries, width) not in self.block_masks:
+            self.block_masks[(queries, width)] = causal_block_mask(width, self.evict_at.device, start=width - queries)
+        return self.block_masks[(queries, width)]
 
     @classmethod
     def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto") -> "Replay":
-        """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and builds what the
-        layers share (the flex block mask, the prompt padding) once."""
+        """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and works out what the layers
+        share (the prompt padding; flex's block masks, built at the first layer)."""
         if backend not in ("auto", "sdpa", "flex"):
             raise ValueError(f"shadow replay backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
         if backend == "auto":
             backend = "flex" if evict_at.is_cuda else "sdpa"
-        block_mask = causal_block_mask(evict_at.shape[-1], evict_at.device) if backend == "flex" else None
-        return cls(evict_at, prompt_length, backend, block_mask, kernels.left_padding(attention_mask[:, :prompt_length]))
+        return cls(evict_at, prompt_length, backend, {}, kernels.left_padding(attention_mask[:, :prompt_length]))
 
 
 def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:
@@ -127,65 +136,124 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
         mask = visibility(evict_layer, shadow.query_columns, shadow.key_columns[layer])  # [B, Hkv, q, S]
         return kernels.grouped(query, key, value, mask, scaling)
     if shadow.backend == "flex":
-        return _flex(query, key, value, evict_layer, shadow.block_mask, scaling)
+        out = _flex(query, key, value, evict_layer, shadow.flex_mask(query.shape[2], key.shape[2]), scaling)
+        if out is not None:
+            return out
     prompt_length, width = shadow.prompt_length, query.shape[2]
     pieces = []
     if prompt_length > 0:
         pieces.append(kernels.causal(query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
                                      scaling, shadow.left_pad))
     if prompt_length < width:
-        pieces.append(replay_rows(layer, query[:, :, prompt_length:], key, value, scaling, shadow))
+        pieces.append(_sdpa_rows(layer, query[:, :, prompt_length:], key, value, scaling, shadow))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
 def replay_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:
-    """The replay's response rows alone: queries [B, H, R, D] at columns P .. T-1 over all T keys [B, Hkv, T, D],
-    under one layer's mask [B, Hkv, R, T] (SDPA with the query groups folded, on every device). [B, H, R, D]."""
+    """The replay's response rows alone: queries [B, H, R, D] at columns P .. T-1 over all T keys [B, Hkv, T, D]
+    (the rows that follow a prompt computed once for its samples, `scoring.shared_prompt_views`). [B, H, R, D].
+
+    flex: the block mask of the [R, T] grid, no mask materialised; sdpa: one layer's mask [B, Hkv, R, T] with the
+    query groups folded (`kernels.grouped`)."""
+    if shadow.backend == "flex":
+        width = key.shape[2]
+        start = torch.tensor(width - query.shape[2], device=query.device)
+        out = _flex(query, key, value, shadow.evict_at[:, layer], shadow.flex_mask(query.shape[2], width), scaling, start)
+        if out is not None:
+            return out
+    return _sdpa_rows(layer, query, key, value, scaling, shadow)
+
+
+def _sdpa_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:
     width = key.shape[2]
     columns = torch.arange(width - query.shape[2], width, device=query.device)
     return kernels.grouped(query, key, value, visibility(shadow.evict_at[:, layer], columns), scaling)
 
 
-def causal_block_mask(width: int, device, block: int = FLEX_BLOCK):
-    """A flex `BlockMask` [1, 1] over every causal block of a [width, width] grid, all of them partial.
+def causal_block_mask(width: int, device, block: int = FLEX_BLOCK, start: int = 0):
+    """A flex `BlockMask` [1, 1] over every causal block of the grid of query columns start .. width-1 against key
+    columns 0 .. width-1 (start = 0: the whole [width, width] square; start = P: the response rows alone), all of
+    them partial.
 
     Built from the block indices alone (O((T / block)^2) integers, no mask evaluated): the shadow mask only
     ever hides more than causal attention does, so each layer can reuse it with its own `mask_mod`."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    blocks = -(-width // block)
-    rows = torch.arange(blocks, device=device)
-    kv_num_blocks = (rows + 1).to(torch.int32)[None, None]  # [1, 1, Qb]: key blocks 0..qb
-    kv_indices = torch.arange(blocks, device=device, dtype=torch.int32).expand(blocks, blocks).contiguous()[None, None]
-    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, seq_lengths=(width, width))
+    key_blocks, query_blocks = -(-width // block), -(-(width - start) // block)
+    last_column = start + (torch.arange(query_blocks, device=device) + 1) * block - 1  # [Qb] each query block's last column
+    kv_num_blocks = (last_column.clamp(max=width - 1) // block + 1).to(torch.int32)[None, None]  # [1, 1, Qb]: key blocks 0..
+    kv_indices = torch.arange(key_blocks, device=device, dtype=torch.int32).expand(query_blocks, key_blocks).contiguous()[None, None]
+    return BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=block, seq_lengths=(width - start, width))
 
 
-def layer_mask_mod(evict_layer: torch.Tensor, groups: int):
-    """flex `mask_mod` of one layer: the encoding's rule, read from evict_layer [B, Hkv, T]."""
+def layer_mask_mod(evict_layer: torch.Tensor, groups: int, start: torch.Tensor | None = None):
+    """flex `mask_mod` of one layer: the encoding's rule, read from evict_layer [B, Hkv, T], for queries whose
+    column is `start` (a 0-d tensor: a Python int would be compiled in as a constant) plus their index."""
 
     def mask_mod(b, h, q_idx, kv_idx):
         kv_head = h // groups
-        seen = (kv_idx <= q_idx) & (q_idx < evict_layer[b, kv_head, kv_idx]) & (q_idx < evict_layer[b, kv_head, q_idx])
-        return seen | (q_idx == kv_idx)
+        column = q_idx if start is None else q_idx + start
+        seen = (kv_idx <= column) & (column < evict_layer[b, kv_head, kv_idx]) & (column < evict_layer[b, kv_head, column])
+        return seen | (column == kv_idx)
 
     return mask_mod
 
 
 _compiled_flex = None
+_flex_failure: str | None = None  # why the compiled flex_attention is off for this process, once it failed
 
 
-def _flex(query, key, value, evict_layer, block_mask, scaling):
-    """flex_attention with the forward's shared BlockMask and this layer's mask_mod (compiled on CUDA)."""
+def flex_failure() -> str | None:
+    """Why the compiled flex_attention fell back to the SDPA replay in this process (None: it has not)."""
+    return _flex_failure
+
+
+def compiled_flex():
+    """flex_attention compiled once per process, on every device (the CPU's inductor too), with dynamo's automatic
+    dynamic shapes: the first call compiles for its sizes, the first call with other sizes recompiles the kernel
+    with those sizes symbolic, and every later call reuses it.
+
+    RL batches change T (and the last micro-batch B) at almost every step: `dynamic=False` compiled a kernel per
+    (B, T) until, at the ninth, dynamo's recompile limit ran flex eagerly, with [B, H, T, T] scores. The first
+    compile cannot be symbolic in T (the BlockMask carries its lengths as Python ints, which flex checks against
+    the inputs'), and `dynamic=True` (heads and head_dim symbolic too) fails the CPU flex template's compile.
+    Dynamo also specialises sizes of 1 (a batch of one, a T within one 128-block) and the grad mode: a run
+    compiles a few times, not once per shape."""
     global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
 
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def _flex(query, key, value, evict_layer, block_mask, scaling, start: torch.Tensor | None = None):
+    """Compiled flex_attention with the forward's shared BlockMask and this layer's mask_mod: [B, H, q, D], or None
+    when flex cannot run here (a failed compile: warned once, the caller replays with SDPA)."""
+    global _flex_failure
+    if _flex_failure is not None:
+        return None
+    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+        _warn_once("flex_attention has no backward on the CPU; the shadow replay runs on SDPA where a gradient is needed")
+        return None
     groups = query.shape[1] // key.shape[1]
+    evict_layer = evict_layer.contiguous()  # [B, Hkv, T]: a strided slice of evict_at fails the CPU flex template's compile
     layer_mask = copy.copy(block_mask)  # same block indices, this layer's mask_mod
-    layer_mask.mask_mod = layer_mask_mod(evict_layer, groups)
-    if query.is_cuda:
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention, dynamic=False)
-        return _compiled_flex(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)
-    with warnings.catch_warnings():  # eager CPU flex (forward-only parity checks) warns that it is unfused
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)
+    layer_mask.mask_mod = layer_mask_mod(evict_layer, groups, start)
+    try:
+        return compiled_flex()(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)
+    except Exception as err:  # a compile (or kernel) failure: warn once, then the SDPA replay from here on
+        lines = str(err).strip().splitlines()
+        _flex_failure = f"{type(err).__name__}: {lines[0] if lines else ''}"
+        _warn_once(f"the shadow replay's compiled flex_attention failed ({_flex_failure}); replaying with SDPA (the CPU-tested "
+                   "path) for the rest of this process")
+        return None
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)

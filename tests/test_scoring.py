@@ -86,8 +86,9 @@ def test_a_prompt_its_samples_share_is_computed_once(tiny_tokenizer, policy):
                  pad_token_id=0, measure_dense_kv=False)
     P, mask = b.prompt_length, b.response_mask[..., None]
     rows = []
-    hook = model.model.layers[0].register_forward_pre_hook(lambda m, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).shape[:2]),
-                                                          with_kwargs=True)
+    attention = model.model.layers[0].self_attn  # the layer's calls skip module hooks (`layer_pass`); its attention's do not
+    hook = attention.register_forward_pre_hook(lambda m, args, kwargs: rows.append((args[0] if args else kwargs["hidden_states"]).shape[:2]),
+                                               with_kwargs=True)
     model.train()
     shared = response_hidden(model, b.input_ids, b.attention_mask, P, b.evict_at)
     hook.remove()
