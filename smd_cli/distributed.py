@@ -171,6 +171,12 @@ def shard(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype
         setattr(layer, LAYER_PASS, _call)
         register_fsdp_forward_method(layer, LAYER_PASS)  # `layer_pass`: one gather for all of a pass's calls of the layer
     root = fully_shard(LearnerPass(model), mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    # Backward prefetches the layer below, explicitly: FSDP2's implicit choice reads the order of every forward since the
+    # last backward, rollouts and no-grad passes included, and re-gathered a layer that had just been freed
+    layers = list(model.base_model.layers)
+    for i, layer in enumerate(layers):
+        layer.set_modules_to_backward_prefetch([layers[i - 1] if i else layer])  # layer 0: itself, already gathered (no-op)
+    root.set_modules_to_backward_prefetch([layers[-1]])
     root.compute_dtype = param_dtype  # None: float32 compute
     for module in _fsdp_modules(root):
         module.set_gradient_divide_factor(1.0)  # each rank's loss carries the global normalisers: sum the gradients
