@@ -173,7 +173,9 @@ def rollout_terms(run: Run) -> dict[str, float]:
     # policy's scores) and its MLP (gate, up, act(gate) * up), over the residual stream
     scores = rows * a.heads * run.score_rows * P * (b + 4.0) if run.evicting else 0.0
     prefill = no_grad_layer(run, rows, P, scores)
-    logits = rows * a.vocab * (b + 3 * 4.0)  # the last position's logits, float32 log_softmax, probabilities
+    # the last position's logits, and sampling's float32 copies (scaled, log_softmax, probabilities) and float64 CDF:
+    # 24 bytes per logit measured above float32 logits, 28 above bf16 ones
+    logits = rows * a.vocab * (b + 24.0 + (4.0 if b < 4 else 0.0))
     done = shadow_mask_bytes(run, run.rows - rows)  # chunks decoded before this one wait for the learner
     recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
     gathered = float(b * a.params) if run.gpus > 1 else 0.0  # FSDP2: every weight unsharded while decoding
