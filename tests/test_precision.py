@@ -53,19 +53,31 @@ def test_at_lr_1e6_masters_move_where_bf16_weights_do_not(tiny_tokenizer):
 
 
 def test_master_gradients_accumulate_micro_batches_in_float32(tiny_tokenizer):
+    """Each micro-batch's bf16 gradient is added into the float32 master gradient and freed: the masters hold the sum
+    over micro-batches, as a second copy of the model without masters computes it (each micro-batch's own bf16
+    gradient, summed in float64). A master that kept only the last micro-batch's gradient (`copy_` for `add_`)
+    fails this."""
     model = bf16_model(tiny_tokenizer)
     optimizer = MasterWeights(model, lambda params: torch.optim.SGD(params, lr=0.0))
     batch = rollout(model, tiny_tokenizer)
     learner_step(model, optimizer, batch, ADVANTAGES, Algorithm("dense", micro_batch_size=3, max_grad_norm=1e9))
     assert all(p.grad is None for p in model.parameters())  # bf16 gradients are freed as soon as they are added
     # zero_grad ran after the step; replay the accumulation by hand to check it is float32 and complete
+    reference = bf16_model(tiny_tokenizer).train()  # the same weights, no masters: its gradients stay where backward puts them
     model.train()
-    for rows in (slice(0, 3), slice(3, 6), slice(6, 8)):
-        hidden = response_logits(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length)
-        hidden.float().square().mean().backward()
+    micro_batches = (slice(0, 3), slice(3, 6), slice(6, 8))
+    expected = [torch.zeros(p.shape, dtype=torch.float64) for p in reference.parameters()]
+    for rows in micro_batches:
+        for net in (model, reference):
+            logits = response_logits(net, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length)
+            logits.float().square().mean().backward()
+        for total, p in zip(expected, reference.parameters()):
+            total += p.grad.double()
+            p.grad = None
     grads = [master.grad.clone() for _, master in optimizer.pairs]
     assert all(g.dtype == torch.float32 for g in grads) and all(p.grad is None for p in model.parameters())
-    assert sum(float(g.abs().sum()) for g in grads) > 0
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-7 * float(want.abs().max()))
 
 
 def test_master_state_round_trips_exactly(tiny_tokenizer):
