@@ -4,7 +4,9 @@ Three phases, each a sum of named terms (bytes), mirroring what the code allocat
 
 - static, held for the whole run: the weights in the compute dtype, the float32 master weights and
   their gradients (`smd_cli.precision`; a float32 model keeps its own gradients instead), the optimizer's
-  state, and the frozen reference policy when `beta > 0`.
+  state, and the frozen reference policy when `beta > 0`. With `optim.offload` the masters, the gradients and
+  the optimizer state are on the host while the rollout runs (`smd_cli.offload`): the rollout's peak leaves
+  them out, the learner's counts them.
 - rollout, one chunk of `sampling.batch_size` rows at a time: the evicting KV cache (allocated once at its
   final capacity) with its per-slot bookkeeping, the shadow mask `evict_at` being recorded, the
   activations of one layer's prefill (no gradient: the MLP's three [rows, P, I] tensors dominate), the
@@ -95,6 +97,7 @@ class Run:
     shadow: bool | None = None  # the learner scores the shadow replay (algo.view); None: algo == "smd"
     distill: bool | None = None  # SMD's no-grad dense teacher beside the replay (algo.distill); None: algo == "smd"
     batch_level: bool | None = None  # the correction scores pi_old up front over micro-batches; None: Sparse-RL, TRM
+    offload: bool = False  # optim.offload: masters, their gradients and the optimizer state on the host during the rollout
 
     def __post_init__(self):  # frozen: the defaults of a run described by its name alone (benchmarks, tests)
         defaults = {"shadow": self.algo == "smd", "distill": self.algo == "smd", "batch_level": self.algo in ("sparse_rl", "trm")}
@@ -122,6 +125,7 @@ class Plan:
     static: dict[str, float] = field(default_factory=dict)
     rollout: dict[str, float] = field(default_factory=dict)
     learner: dict[str, float] = field(default_factory=dict)
+    offloaded: float = 0.0  # static bytes on the host while the rollout runs (optim.offload)
 
     @property
     def static_bytes(self) -> float:
@@ -129,7 +133,7 @@ class Plan:
 
     @property
     def rollout_bytes(self) -> float:
-        return self.static_bytes + self.rollout["peak"]
+        return self.static_bytes - self.offloaded + self.rollout["peak"]
 
     @property
     def learner_bytes(self) -> float:
@@ -227,8 +231,17 @@ def learner_terms(run: Run) -> dict[str, float]:
             **{f"moment: {k}": v for k, v in moments.items()}, "peak": max(moments.values())}
 
 
+def offloaded_terms(run: Run, static: dict[str, float]) -> float:
+    """Bytes `optim.offload` moves to the host for the rollout: the master weights, the gradients and the optimizer
+    state (a float32 model is its own master, which the rollout reads: its gradients and optimizer state only)."""
+    if not run.offload:
+        return 0.0
+    return static["master weights"] + static["gradients"] + static["optimizer state"]
+
+
 def plan(run: Run) -> Plan:
-    return Plan(static_terms(run), rollout_terms(run), learner_terms(run))
+    static = static_terms(run)
+    return Plan(static, rollout_terms(run), learner_terms(run), offloaded_terms(run, static))
 
 
 def largest_fitting(run: Run, field_name: str, limit: int, capacity: float) -> int | None:

@@ -122,11 +122,17 @@ class Replay:
     def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto") -> "Replay":
         """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and works out what the layers
         share (the prompt padding; flex's block masks, built at the first layer)."""
-        if backend not in ("auto", "sdpa", "flex"):
-            raise ValueError(f"shadow replay backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
-        if backend == "auto":
-            backend = "flex" if evict_at.is_cuda else "sdpa"
+        backend = resolve_backend(backend, evict_at.device)
         return cls(evict_at, prompt_length, backend, {}, kernels.left_padding(attention_mask[:, :prompt_length]))
+
+
+def resolve_backend(backend: str, device) -> str:
+    """The replay kernel a forward on `device` runs: "auto" is flex on CUDA, SDPA elsewhere."""
+    if backend not in ("auto", "sdpa", "flex"):
+        raise ValueError(f"shadow replay backend must be 'auto', 'sdpa' or 'flex', got {backend!r}")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    return backend
 
 
 def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> torch.Tensor:

@@ -6,12 +6,14 @@ architecture from the config alone (offline), and prints `smd_cli.planner`'s ter
 masks, prefill activations, scores, logits) and learner (checkpointed activations, one layer's recompute,
 vocabulary chunk, LM-head gradients). `plan.gpus=N` plans each of N GPUs under torchrun and FSDP2 (its share
 of the rows, sharded states, what FSDP2 gathers). Then, for each of `plan.device_gb`, whether the step fits and the
-largest `grpo.micro_batch_size` and `sampling.batch_size` that do. Writes `plan.json` to the run directory.
+largest `grpo.micro_batch_size` and `sampling.batch_size` that do, and (one GPU) whether it fits with and without
+`optim.offload` (masters, gradients and optimizer state on the host during the rollout). Writes `plan.json`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from omegaconf import DictConfig
@@ -21,7 +23,8 @@ from smd_cli import models
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.io import write_json
 from smd_cli.planner import Arch, Run, largest_fitting, plan
-from smd_cli.stages.common import ConfigError, build_correction, build_policy, build_task, check, console, load_tokenizer, start_run
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, console,
+                                  load_tokenizer, start_run)
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -78,7 +81,7 @@ def describe(cfg: DictConfig) -> Run:
         cache_growth=policy.cache_growth(R - 1) if evicting else 0,
         score_rows=policy.window if isinstance(policy, SnapKV) else 0,
         optimizer="adamw8bit" if str(cfg.optim.get("_target_", "")).startswith("bitsandbytes.") else "adamw",
-        reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus,
+        reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus, offload=bool(cfg.optim.get("offload", False)),
         shadow=cfg.algo.view == "shadow", distill=bool(cfg.algo.distill), batch_level=build_correction(cfg).batch_level,
     )
 
@@ -92,6 +95,7 @@ def run(cfg: DictConfig) -> dict:
     check(isinstance(p.gpus, int) and p.gpus >= 1, "plan.gpus", p.gpus, "an integer >= 1 (torchrun's --nproc_per_node x --nnodes)")
     check(cfg.grpo.prompts_per_step % p.gpus == 0, "plan.gpus", p.gpus,
           f"a divisor of grpo.prompts_per_step={cfg.grpo.prompts_per_step} (each GPU takes an equal share of whole prompt groups)")
+    check_offload(cfg, p.gpus)
     run_ = start_run(cfg)
     step = describe(cfg)
     result = plan(step)
@@ -103,10 +107,20 @@ def run(cfg: DictConfig) -> dict:
             "largest_micro_batch_size": largest_fitting(step, "micro_batch", step.rows, capacity),
             "largest_sampling_batch_size": largest_fitting(step, "rollout_rows", step.rows, capacity),
         }
+        if step.gpus == 1:  # optim.offload both ways (one process only)
+            for offload in (False, True):
+                other = replace(step, offload=offload)
+                micro, chunk = largest_fitting(other, "micro_batch", step.rows, capacity), largest_fitting(other, "rollout_rows", step.rows, capacity)
+                fitted = replace(other, micro_batch=min(micro or 1, step.micro_batch), rollout_rows=min(chunk or 1, step.rollout_rows))
+                fits[f"{size:g}"][f"offload_{'on' if offload else 'off'}"] = {
+                    "fits": plan(other).peak_bytes <= capacity, "largest_sampling_batch_size": chunk,
+                    # with the micro-batch and rollout chunk cut to what fits (None: not even that)
+                    "fits_with": {"grpo.micro_batch_size": fitted.micro_batch, "sampling.batch_size": fitted.rollout_rows}
+                    if micro and chunk and plan(fitted).peak_bytes <= capacity else None}
     out = {"run": {k: v for k, v in vars(step).items() if k != "arch"}, "arch": vars(step.arch), "params": step.arch.params,
            "static": result.static, "rollout": result.rollout, "learner": result.learner,
            "peaks": {"static": result.static_bytes, "rollout": result.rollout_bytes, "learner": result.learner_bytes,
-                     "step": result.peak_bytes}, "devices": fits, "usable": p.usable}
+                     "step": result.peak_bytes, "offloaded": result.offloaded}, "devices": fits, "usable": p.usable}
     write_json(run_.dir / "plan.json", out)
     print_plan(cfg, step, result, fits)
     return out
@@ -130,15 +144,37 @@ def print_plan(cfg, step: Run, result, fits: dict) -> None:
             if name != "peak" and value:
                 table.add_row(phase, name, _gib(value))
     table.add_row("[bold]peak[/bold]", "static", _gib(result.static_bytes))
-    table.add_row("[bold]peak[/bold]", "rollout (static + rollout)", _gib(result.rollout_bytes))
+    if result.offloaded:
+        table.add_row("[bold]peak[/bold]", "on the host during the rollout (optim.offload)", _gib(result.offloaded))
+    table.add_row("[bold]peak[/bold]", "rollout (static" + (" - offloaded" if result.offloaded else "") + " + rollout)",
+                  _gib(result.rollout_bytes))
     table.add_row("[bold]peak[/bold]", "learner (static + held + learner)", _gib(result.learner_bytes))
     console.print(table)
     devices = Table(title=f"fits (usable fraction {cfg.plan.usable:g})")
-    for column in ("device GiB", "fits", "largest grpo.micro_batch_size", "largest sampling.batch_size"):
+    both = step.gpus == 1
+    columns = ["device GiB", "fits", "largest grpo.micro_batch_size", "largest sampling.batch_size"]
+    if both:
+        columns += ["fits, optim.offload=false", "fits, optim.offload=true", "largest sampling.batch_size, offload"]
+    for column in columns:
         devices.add_column(column, justify="right")
+
+    def yes(ok: bool) -> str:
+        return "yes" if ok else "[red]no[/red]"
+
     for size, f in fits.items():
-        devices.add_row(size, "yes" if f["fits"] else "[red]no[/red]", str(f["largest_micro_batch_size"] or "none"),
-                        str(f["largest_sampling_batch_size"] or "none"))
+        row = [size, yes(f["fits"]), str(f["largest_micro_batch_size"] or "none"), str(f["largest_sampling_batch_size"] or "none")]
+        if both:
+            row += [yes(f["offload_off"]["fits"]), yes(f["offload_on"]["fits"]), str(f["offload_on"]["largest_sampling_batch_size"] or "none")]
+        devices.add_row(*row)
     console.print(devices)
+    for size, f in fits.items():
+        if both and not f["offload_off"]["fits"] and f["offload_on"]["fits_with"]:
+            with_, without = (" ".join(f"{k}={v}" for k, v in (f[key]["fits_with"] or {}).items()) for key in ("offload_on", "offload_off"))
+            console.print(f"{size} GiB: fits with optim.offload=true {with_} (without offload: "
+                          + (f"{without})" if without else "at no batch size)"))
+    if both:
+        moved = plan(replace(step, offload=True)).offloaded
+        console.print(f"optim.offload moves {_gib(moved)} GiB to host memory before each rollout and back after it "
+                      f"({2 * moved / 1e9:,.0f} GB over PCIe per step)")
     if math.isfinite(result.peak_bytes):
         console.print(f"step peak: {_gib(result.peak_bytes)} GiB")

@@ -26,7 +26,6 @@ import math
 import time
 
 import torch
-from hydra.utils import instantiate
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -37,11 +36,13 @@ from smd_cli.eviction.none import KeepAll
 from smd_cli.io import MetricsLog, write_json
 from smd_cli.learner import VIEWS, Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
-from smd_cli.precision import build_optimizer
+from smd_cli.offload import Offload, offloaded
+from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
-from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_top_k, console, load_examples,
-                                  load_model, pick_device, start_run)
+from smd_cli.shadow import resolve_backend
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, check_top_k, console,
+                                  load_examples, load_model, optimizer_factory, pick_device, start_run)
 from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, save_final, stop_diverged
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
@@ -103,7 +104,8 @@ def check_algorithm(cfg: DictConfig) -> None:
 
 
 def check_optimizer(cfg: DictConfig) -> None:
-    """optim=adamw8bit needs a CUDA device and an importable bitsandbytes; say so before any work is done."""
+    """optim=adamw8bit needs a CUDA device: say so before any work is done. (A bitsandbytes that does not import on
+    a CUDA machine falls back to AdamW with a warning: `optimizer_factory`.)"""
     target = str(cfg.optim.get("_target_", ""))
     if not target.startswith("bitsandbytes."):
         return
@@ -111,11 +113,17 @@ def check_optimizer(cfg: DictConfig) -> None:
     if cfg.device == "cpu" or not torch.cuda.is_available():
         raise ConfigError(f"{name} keeps 8-bit optimizer states on a CUDA device, but device={cfg.device!r} and "
                           f"CUDA available={torch.cuda.is_available()}; use optim=adamw on CPU")
-    try:
-        import bitsandbytes  # noqa: F401
-    except Exception as err:  # ImportError, or bitsandbytes' own error when its CUDA library does not load
-        raise ConfigError(f"{name} cannot import bitsandbytes ({type(err).__name__}: {err}); install it with "
-                          "`pip install -e '.[gpu]'` (bitsandbytes>=0.45), or use optim=adamw") from None
+
+
+def kernels_line(cfg: DictConfig, device: torch.device, policy, optimizer, optimizer_name: str, offload) -> str:
+    """What `smd train` runs, in one line: the shadow replay's kernel, the decode's CUDA graphs, the optimizer and
+    optim.offload. A run-time fallback (flex compile, graph capture, 8-bit AdamW import) warns where it happens."""
+    replay = {"flex": "flex_attention (compiled)", "sdpa": "SDPA"}[resolve_backend(cfg.model.replay, device)]
+    graphs = device.type == "cuda" and policy is not None and cfg.sampling.get("compile", "auto") is not False  # smd_cli.rollout's rule
+    masters = " over float32 masters" if isinstance(optimizer, MasterWeights) else ""
+    moved = "off" if offload is None else f"on ({'pinned ' if offload.pinned else ''}host memory during rollouts)"
+    return (f"kernels: attention SDPA (mask-free causal, masked rows with query groups folded), shadow replay {replay}, "
+            f"decode {'CUDA graphs' if graphs else 'eager'}; optimizer {optimizer_name}{masters}; optim.offload {moved}")
 
 
 def rollout_policy(cfg: DictConfig):
@@ -207,6 +215,7 @@ def run(cfg: DictConfig) -> dict:
     policy = rollout_policy(cfg)
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
     eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+    check_offload(cfg, distributed.size())
     check(cfg.grpo.prompts_per_step % distributed.size() == 0, "grpo.prompts_per_step", cfg.grpo.prompts_per_step,
           f"a multiple of the {distributed.size()} processes (each rank takes an equal share of whole prompt groups)")
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress and main)
@@ -218,7 +227,11 @@ def run(cfg: DictConfig) -> dict:
         state, rng, optimizer_state = resume(cfg, resume_from, run_.dir, model)
     root = distributed.shard(model, run_.device, float32_masters(model) if distributed.size() > 1 else None)
     learner = root or model
-    optimizer = build_optimizer(model, lambda params: instantiate(cfg.optim, params=params))
+    make_optimizer, optimizer_name = optimizer_factory(cfg, run_.device)
+    optimizer = build_optimizer(model, make_optimizer)
+    offload = Offload(optimizer, run_.device) if cfg.optim.get("offload", False) else None
+    if main:
+        console.print(kernels_line(cfg, run_.device, policy, optimizer, optimizer_name, offload), soft_wrap=True)
     G = cfg.grpo.num_generations
 
     if resume_from is None:
@@ -248,7 +261,7 @@ def run(cfg: DictConfig) -> dict:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: rollout")
-            with mem.phase("rollout"), distributed.gathered(root):
+            with mem.phase("rollout"), distributed.gathered(root), offloaded(offload):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
