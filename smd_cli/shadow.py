@@ -219,12 +219,13 @@ def compiled_flex():
     dynamic shapes: the first call compiles for its sizes, the first call with other sizes recompiles the kernel
     with those sizes symbolic, and every later call reuses it.
 
-    RL batches change T (and the last micro-batch B) at almost every step: `dynamic=False` compiled a kernel per
-    (B, T) until, at the ninth, dynamo's recompile limit ran flex eagerly, with [B, H, T, T] scores. The first
-    compile cannot be symbolic in T (the BlockMask carries its lengths as Python ints, which flex checks against
-    the inputs'), and `dynamic=True` (heads and head_dim symbolic too) fails the CPU flex template's compile.
-    Dynamo also specialises sizes of 1 (a batch of one, a T within one 128-block) and the grad mode: a run
-    compiles a few times, not once per shape."""
+    RL batches change T at almost every step: `dynamic=False` compiled a kernel per (B, T) until, at the ninth,
+    dynamo's recompile limit ran flex eagerly, with [B, H, T, T] scores. The first compile cannot be symbolic in T
+    (the BlockMask carries its lengths as Python ints, which flex checks against the inputs'), and `dynamic=True`
+    (heads and head_dim symbolic too) fails the CPU flex template's compile, as does a symbolic batch size with a
+    static T: B stays static (`_flex`), a compile per micro-batch size (a run has two or three). Dynamo also
+    specialises a T within one 128-block, the whole sequence against the response rows alone, and the grad mode:
+    a run compiles a handful of times, not once per shape."""
     global _compiled_flex
     if _compiled_flex is None:
         from torch.nn.attention.flex_attention import flex_attention
@@ -244,6 +245,8 @@ def _flex(query, key, value, evict_layer, block_mask, scaling, start: torch.Tens
         return None
     groups = query.shape[1] // key.shape[1]
     evict_layer = evict_layer.contiguous()  # [B, Hkv, T]: a strided slice of evict_at fails the CPU flex template's compile
+    for tensor in (query, key, value, evict_layer):
+        torch._dynamo.mark_static(tensor, 0)  # B: a symbolic batch with a static T fails the CPU flex template's compile
     layer_mask = copy.copy(block_mask)  # same block indices, this layer's mask_mod
     layer_mask.mask_mod = layer_mask_mod(evict_layer, groups, start)
     try:

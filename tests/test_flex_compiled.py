@@ -99,6 +99,19 @@ def test_compiled_flex_replays_the_response_rows_of_shared_prompts(model, tiny_t
     assert (dense - sdpa_logits).abs().max() > 1e-3  # the mask matters: flex replayed it, not dense attention
 
 
+def test_another_batch_size_compiles_without_falling_back(model, tiny_tokenizer):
+    """A micro-batch of another size after the others (the last micro-batch of a step): a symbolic batch size with a
+    static width failed the CPU flex template's compile (CppCompileError, then the SDPA fallback); B stays static."""
+    batch = rollout(model, len(tiny_tokenizer), 150, H2O(0.5, sink=1, window=4), seed=9)
+    small = type(batch)(**{**vars(batch), "input_ids": batch.input_ids[:2], "attention_mask": batch.attention_mask[:2],
+                           "response_mask": batch.response_mask[:2], "logprobs": batch.logprobs[:2], "evict_at": batch.evict_at[:2]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        flex = replayed(model, small, "flex")
+    assert shadow.flex_failure() is None
+    assert (flex - replayed(model, small, "sdpa")).abs().max() <= 1e-5
+
+
 def test_a_failed_compile_warns_once_and_replays_with_sdpa(model, tiny_tokenizer, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler found")
