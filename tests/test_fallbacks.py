@@ -79,3 +79,17 @@ def test_adamw8bit_without_bitsandbytes_falls_back_to_adamw_with_one_warning(mon
     assert type(optimizer) is torch.optim.AdamW
     group = optimizer.param_groups[0]
     assert (group["lr"], tuple(group["betas"]), group["weight_decay"], group["fused"]) == (1e-6, (0.9, 0.999), 0.0, True)  # adamw8bit's
+
+
+def test_training_with_the_flex_replay_on_the_cpu_is_refused_at_once():
+    """Not a run-time fallback: flex_attention has no CPU backward, so `model.replay=flex` cannot train there (auto is SDPA)."""
+    from hydra import compose, initialize_config_dir
+
+    from smd_cli.cli import CONF_DIR
+    from smd_cli.stages import train
+    from smd_cli.stages.common import ConfigError
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["model.replay=flex", "device=cpu"])
+    with pytest.raises(ConfigError, match="model.replay='flex' trains only on CUDA"):
+        train.validate(cfg)
