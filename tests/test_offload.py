@@ -3,11 +3,13 @@ come back for the learner bit for bit; a run with offload trains exactly what a 
 the CUDA path without pinning: there is no pinned memory without CUDA); `smd plan` counts it and prints the fit of
 a paper recipe on 80 GiB with and without it."""
 
+import io
 import json
 
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from rich.console import Console
 from safetensors.torch import load_file
 
 from smd_cli.cli import CONF_DIR, main, register_recipes
@@ -17,7 +19,9 @@ from smd_cli.offload import Offload, offloaded
 from smd_cli.planner import Arch, Run, plan
 from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.rollout import generate
+from smd_cli.stages import plan as plan_stage
 from smd_cli.stages import train
+from smd_cli.stages.common import ConfigError
 
 TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=4", "task.prompt_tokens=48",
             "model.warmstart.steps=5", "progress=false"]
@@ -25,10 +29,10 @@ TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eva
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0])
 
 
-def compose_train(tmp_path, *overrides):
+def compose_train(tmp_path, *overrides, config_name="train"):
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=[*overrides, f"+run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
+        return compose(config_name=config_name, overrides=[*overrides, f"+run_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
 
 
 def stepped(tokenizer, dtype):
@@ -86,9 +90,19 @@ def test_steps_with_offload_equal_steps_without(tiny_tokenizer):
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
-def test_smd_train_with_offload_trains_what_it_trains_without(tmp_path, monkeypatch, capsys):
+def printed_by_the_stages(monkeypatch) -> io.StringIO:
+    """What the stages print through their rich console, captured without swapping sys.stdout."""
+    out = io.StringIO()
+    console = Console(file=out, width=400)
+    for module in (train, plan_stage):
+        monkeypatch.setattr(module, "console", console)
+    return out
+
+
+def test_smd_train_with_offload_trains_what_it_trains_without(tmp_path, monkeypatch):
     """Through the stage: two GRPO steps in bf16 compute (masters) with optim.offload=true and false give the same
     checkpoint bit for bit; the state went to the host before each rollout; `smd train` says which kernels it ran."""
+    out = printed_by_the_stages(monkeypatch)
     moves = []
     to_host = Offload.to_host
     monkeypatch.setattr(Offload, "to_host", lambda self: (moves.append(1), to_host(self))[1])
@@ -101,12 +115,12 @@ def test_smd_train_with_offload_trains_what_it_trains_without(tmp_path, monkeypa
     assert len(moves) == 2  # one per step of the offloading run
     assert weights["true"].keys() == weights["false"].keys()
     assert all(torch.equal(weights["true"][k], weights["false"][k]) for k in weights["true"])
-    printed = " ".join(capsys.readouterr().out.split())
+    printed = " ".join(out.getvalue().split())
     assert "optim.offload on (host memory during rollouts)" in printed and "optim.offload off" in printed
     assert "shadow replay SDPA, decode eager; optimizer AdamW (fused) over float32 masters" in printed
 
 
-def test_smd_plan_counts_offload_and_prints_the_fit_both_ways(tmp_path, capsys):
+def test_smd_plan_counts_offload_and_prints_the_fit_both_ways(tmp_path, monkeypatch):
     arch = Arch(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
     run = Run(arch=arch, compute_bytes=2, device="cuda", algo="smd", rows=64, micro_batch=2, rollout_rows=64, prompt=8192,
               response=512, kept=4096, cache_growth=511, offload=True)
@@ -114,12 +128,11 @@ def test_smd_plan_counts_offload_and_prints_the_fit_both_ways(tmp_path, capsys):
     params = arch.params
     assert result.offloaded == (4 + 4 + 8) * params  # masters, their gradients, AdamW's two moments
     assert result.rollout_bytes == without.rollout_bytes - result.offloaded and result.learner_bytes == without.learner_bytes
+    printed = printed_by_the_stages(monkeypatch)
     main(["plan", "+recipe=govreport", f"hydra.run.dir={tmp_path}"])
     out = json.loads((tmp_path / "plan.json").read_text())["devices"]["80"]
     assert not out["offload_off"]["fits"] and out["offload_off"]["largest_sampling_batch_size"] < 16
     assert out["offload_on"]["largest_sampling_batch_size"] >= 128  # the recipe's whole rollout chunk decodes at once
-    printed = " ".join(capsys.readouterr().out.split())
-    assert "80 GiB: fits with optim.offload=true grpo.micro_batch_size=2 sampling.batch_size=128" in printed
-    with pytest.raises(SystemExit):
-        main(["plan", "optim.offload=maybe", f"hydra.run.dir={tmp_path / 'bad'}"])
-    assert "optim.offload='maybe' is not allowed: true or false" in " ".join(capsys.readouterr().err.split())
+    assert "80 GiB: fits with optim.offload=true grpo.micro_batch_size=2 sampling.batch_size=128" in " ".join(printed.getvalue().split())
+    with pytest.raises(ConfigError, match="optim.offload='maybe' is not allowed: true or false"):
+        plan_stage.run(compose_train(tmp_path / "bad", "optim.offload=maybe", config_name="plan"))
