@@ -136,3 +136,5 @@ def test_smd_plan_counts_offload_and_prints_the_fit_both_ways(tmp_path, monkeypa
     assert "80 GiB: fits with optim.offload=true grpo.micro_batch_size=2 sampling.batch_size=128" in " ".join(printed.getvalue().split())
     with pytest.raises(ConfigError, match="optim.offload='maybe' is not allowed: true or false"):
         plan_stage.run(compose_train(tmp_path / "bad", "optim.offload=maybe", config_name="plan"))
+    with pytest.raises(ConfigError, match="optim.offload=True is not allowed: false with 8 processes: FSDP2 already splits"):
+        plan_stage.run(compose_train(tmp_path / "fsdp", "+recipe=govreport", "optim.offload=true", "plan.gpus=8", config_name="plan"))
