@@ -22,6 +22,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -37,6 +38,10 @@ from smd_cli.io import replace_dir_atomic
 
 FORMAT = 2
 _STEP = re.compile(r"^step_(\d{6,})$")
+
+
+class ForeignCheckpoint(ValueError):
+    """A trainer_state.pt that `smd train` did not write: code to unpickle, or not a torch file at all."""
 
 
 @dataclass(frozen=True)
@@ -167,8 +172,10 @@ def _fsync_tree(root: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, extra: dict | None = None,
-                    keep_last: int | None = None, model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
-    """Write `RUN/checkpoints/step_{step:06d}` atomically, then keep only the newest `keep_last` (None: all).
+                    keep_last: int | None = None, model_state: dict | None = None, optimizer_state: dict | None = None,
+                    protect: int | None = None) -> Path:
+    """Write `RUN/checkpoints/step_{step:06d}` atomically, then keep only the newest `keep_last` (None: all), and
+    the newest at or before step `protect` (a run whose later weights are suspect keeps its last good ones).
 
     `extra` holds plain types only (numbers, strings, lists, dicts) so that it loads with weights_only.
     `model_state` and `optimizer_state` stand for the model's and the optimizer's own when given: the full
@@ -186,8 +193,11 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, 
 
     _write_dir(tmp, final, write, f"checkpoint step {step}")
     if keep_last:  # the checkpoint just written (intact: its manifest was read back from disk) is always kept
-        for old in list_checkpoints(run_dir)[:-keep_last]:
-            shutil.rmtree(old.path)
+        found = list_checkpoints(run_dir)
+        kept = found[-keep_last:] + [c for c in found if protect is not None and c.step <= protect][-1:]
+        for old in found:
+            if old not in kept:
+                shutil.rmtree(old.path)
     return final
 
 
@@ -223,7 +233,18 @@ def save_final(run_dir: Path, model, tokenizer=None, model_state: dict | None = 
 def load_trainer_state(checkpoint: Checkpoint, mmap: bool = False) -> dict:
     """The trainer state of a checkpoint, read with `torch.load(weights_only=True)` (no code runs); `mmap`
     maps the tensors instead of reading them (cheap when only `extra` is needed)."""
-    state = torch.load(checkpoint.path / "trainer_state.pt", map_location="cpu", weights_only=True, mmap=mmap)
+    path = checkpoint.path / "trainer_state.pt"
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:  # torch's own words would suggest weights_only=False: never here
+        found = next((line.strip() for line in str(err).splitlines() if "Unsupported" in line or "global" in line.lower()), "")
+        raise ForeignCheckpoint(f"{path} is not a checkpoint this tool wrote: it holds Python objects that smd never loads, only "
+                         f"tensors and plain values{f' ({found})' if found else ''}; remove it or resume from another run") from None
+    except (RuntimeError, EOFError, OSError) as err:  # not a torch zip file, or cut short
+        raise ForeignCheckpoint(f"{path} is not a checkpoint this tool wrote: it cannot be read as one ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''})") from None
+    if not isinstance(state, dict):
+        raise ForeignCheckpoint(f"{path} is not a checkpoint this tool wrote: it holds {type(state).__name__}, not its state")
     if state.get("format") != FORMAT or state.get("step") != checkpoint.step:
         raise ValueError(f"{checkpoint.path}: trainer_state.pt has format {state.get('format')} and step {state.get('step')}; "
                          f"expected format {FORMAT} and step {checkpoint.step}")

@@ -1,8 +1,9 @@
 """The tables and plots of a sweep (`smd ablate`): one row per run, and means over seeds.
 
 Rows are plain dicts (`run`, the swept keys, `status`, `error`, the chosen summary metrics, `dir`); a failed
-run is shown with its reason and never drawn as a 0. The console tables name the metrics by short labels
-(`label`: "evict after" for eval/evict/reward_after, the key in the caption) so that a 140-column terminal wraps
+run is shown with its reason and never drawn as a 0; a collapsed run (`status` "collapsed", its reason in
+`error`) is shown with its numbers, marked collapsed in every table and plot. The console tables name the metrics
+by short labels (`label`: "evict after" for eval/evict/reward_after, the key in the caption) so that a 140-column terminal wraps
 them between words; the CSVs and markdown keep the keys. The plots show both held-out evaluations, with a dense
 KV cache and under eviction, after training (and before, as marks), with standard-error bars over the seeds.
 Library code: no Hydra.
@@ -84,13 +85,15 @@ def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[st
     table = Table(title=f"smd ablate: mean ± standard error over {', '.join(over)}", caption=_caption(metrics))
     for c in columns:
         table.add_column(label(c) if c in metrics else c, justify="right")
-    cells = [[str(g[k]) for k in keys] + [_pm(g, m) for m in metrics] + [f"{g['n']}/{g['runs']}"] for g in groups]
+    cells = [[str(g[k]) for k in keys] + [_pm(g, m) for m in metrics]
+             + [f"{g['n']}/{g['runs']}" + (f" ({g['collapsed']} collapsed)" if g.get("collapsed") else "")] for g in groups]
     for c in cells:
         table.add_row(*c)
     console.print(table)
-    write_atomic(out / "ablation_mean.md", f"Mean ± standard error over {', '.join(over)} (n finished / runs).\n\n" + markdown(columns, cells))
+    write_atomic(out / "ablation_mean.md", f"Mean ± standard error over {', '.join(over)} (n finished / runs; a collapsed run "
+                 "is counted and averaged in with its numbers).\n\n" + markdown(columns, cells))
     with (out / "ablation_mean.csv").open("w", newline="") as f:
-        fields = [*keys, *[c for m in metrics for c in (m, f"{m} se")], "n", "runs"]
+        fields = [*keys, *[c for m in metrics for c in (m, f"{m} se")], "n", "runs", "collapsed"]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(groups)
@@ -149,9 +152,9 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
                 steps = read_jsonl(path)
             except (OSError, ValueError):  # a run killed mid-line
                 continue
-            failed = r["status"] != "ok"
+            failed = r["status"] not in ("ok", "collapsed")
             left.plot([s.get("step") for s in steps], [s.get("reward") for s in steps], linestyle="--" if failed else "-",
-                      label=r["run"] + (" (failed)" if failed else ""))
+                      label=r["run"] + (" (failed)" if failed else " (collapsed)" if r["status"] == "collapsed" else ""))
     left.set(xlabel="step", ylabel="training reward", title="reward during training")
     if left.lines and len(left.lines) <= 12:
         left.legend(fontsize=8)
@@ -160,11 +163,13 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
     views = _views(list(rows[0]) if rows else [], metric)
     width, named = 0.8 / len(views), set()
     for i, r in enumerate(rows):
-        ok = r["status"] == "ok"
+        ok = r["status"] in ("ok", "collapsed")  # a collapsed run's numbers are what its policy does: drawn, hatched
+        fallen = r["status"] == "collapsed"
         for j, (name, after, _) in enumerate(views):
             value = r.get(after)
             if ok and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
                 bar = right.bar(i + (j - (len(views) - 1) / 2) * width, value, width, color=VIEW_COLORS[j % len(VIEW_COLORS)],
+                                hatch="//" if fallen else None, edgecolor="tab:red" if fallen else None,
                                 label=None if name in named else name)
                 named.add(name)
                 right.bar_label(bar, fmt="%.3g", fontsize=7)  # a real 0 reads "0"
@@ -173,12 +178,15 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
         if not ok or not any(isinstance(r.get(after), (int, float)) for _, after, _ in views):
             right.text(i, 0.03, "failed" if not ok else "n/a", transform=marks, rotation=90, ha="center", va="bottom",
                        color="tab:red" if not ok else "grey", fontsize=9, fontweight="bold" if not ok else "normal")
+        elif fallen:
+            right.text(i, 0.97, "collapsed", transform=marks, ha="center", va="top", color="tab:red", fontsize=8, fontweight="bold")
     right.set_xlim(-0.6, len(rows) - 0.4)
     right.set_xticks(range(len(rows)), [r["run"] for r in rows], rotation=20 if len(rows) <= 12 else 90, ha="right", fontsize=8)
     for tick, r in zip(right.get_xticklabels(), rows):
         if r["status"] != "ok":
             tick.set_color("tab:red")
-    title = "held-out reward after training" + (" (failed runs: no bar)" if any(r["status"] != "ok" for r in rows) else "")
+    title = "held-out reward after training" + (" (failed runs: no bar)" if any(r["status"] not in ("ok", "collapsed") for r in rows) else "")
+    title += " (hatched: collapsed)" if any(r["status"] == "collapsed" for r in rows) else ""
     right.set(ylabel=" / ".join(label(after) for _, after, _ in views), title=title)
     if len(views) > 1 and right.containers:
         right.set_ylim(0, 1.25 * max([1e-9, *(r.get(a) for r in rows for _, a, _ in views if isinstance(r.get(a), (int, float)))]))

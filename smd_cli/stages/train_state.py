@@ -10,8 +10,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from rich.markup import escape
+
 from smd_cli import checkpoint as ckpt
-from smd_cli import distributed
+from smd_cli import collapse, distributed
 from smd_cli.io import read_jsonl, write_json
 from smd_cli.learner import TrainingDiverged
 from smd_cli.stages.common import ConfigError, console, lock_run_dir, to_dict
@@ -21,14 +23,16 @@ RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "guard"
                     "device", "threads", "log_every", "stage_help")
 
 
-def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, policy=None, root=None) -> None:
+def save(cfg: DictConfig, run_dir: Path, step: int, model, tokenizer, optimizer, state: dict, policy=None, root=None,
+         protect: int | None = None) -> None:
     """A checkpoint whose `extra` carries what resuming needs besides weights/optimizer/global RNGs: plain types,
     and the eviction policy's own random state (tensors). Sharded (`root`, several processes): every rank
-    gathers the full states, rank 0 writes them in the one-process layout, and a failure stops every rank."""
+    gathers the full states, rank 0 writes them in the one-process layout, and a failure stops every rank.
+    Rotation (`checkpoint.keep_last`) keeps the newest checkpoint at or before step `protect` as well."""
     extra = {"config": to_dict(cfg), **state, **({"policy": policy.state_dict()} if policy is not None else {})}
     model_state, optimizer_state = distributed.full_states(root, optimizer) if root is not None else (None, None)
     distributed.from_main(ckpt.save_checkpoint, run_dir, step, model, optimizer, tokenizer, extra=extra,
-                          keep_last=cfg.checkpoint.keep_last, model_state=model_state, optimizer_state=optimizer_state)
+                          keep_last=cfg.checkpoint.keep_last, model_state=model_state, optimizer_state=optimizer_state, protect=protect)
 
 
 def save_final(run_dir: Path, model, tokenizer, root=None) -> None:
@@ -93,8 +97,16 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
         console.print(f"[yellow]warning:[/yellow] resuming from the newest intact checkpoint, {latest.path.name}")
     if latest.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {latest.step}")
+    if (target / "metrics.jsonl").is_file():  # the log the run continues: a damaged line is said now, not after the model loads
+        try:
+            read_jsonl(target / "metrics.jsonl", torn_tail_ok=True)
+        except ValueError as err:
+            raise ConfigError(f"resume={cfg.resume!r}: {err}; only a torn last line (a write cut short by a kill) is dropped "
+                              "on its own: repair or delete that line, then resume") from None
     try:
         ckpt.check_config(latest, to_dict(cfg), RESUME_FREE_KEYS)
+    except ckpt.ForeignCheckpoint as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
     except ValueError as err:
         raise ConfigError(f"resume={cfg.resume!r}: {err}; resume with the run's own values (its config.json) or start a new run") from None
     return latest
@@ -113,43 +125,79 @@ def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, mode
     return extra, rng, optimizer_state
 
 
-def last_logged(path: Path) -> dict:
-    """The newest row of `metrics.jsonl` without its step (the summary's `last/*` when no step is left to run)."""
-    rows = read_jsonl(path) if path.is_file() else []
-    return {k: v for k, v in rows[-1].items() if k != "step"} if rows else {}
+class PolicyCollapsed(TrainingDiverged):
+    """The policy collapsed (`smd_cli.collapse`); raised after summary.json says so (status "collapsed")."""
+
+    label = "training collapsed"
 
 
 class CollapseGuard:
-    """Beside the learner's NaN guard: stops a run whose weights are non-finite after a step, or whose gradient
-    norm has been exactly 0 for `steps` steps in a row: no learning signal at all, the state an absurd learning
-    rate leaves a model in (saturated logits), or every group's rewards equal step after step. `last_good` is
-    then the newest step whose weights predate it."""
+    """Beside the learner's NaN guard: non-finite weights after a step stop the run as diverged, and a policy that
+    has certainly collapsed (`smd_cli.collapse.verdict` over the rows logged so far, `window` steps) stops it as
+    collapsed. `rows` are the run's logged steps before this process's first (a resumed run judges its whole
+    history, so that it stops where an uninterrupted one would)."""
 
-    def __init__(self, steps: int, run_dir: Path):
-        self.steps, self.run_dir, self.streak, self.last_good = steps, run_dir, 0, None
+    def __init__(self, window: int, rows: list[dict] | None = None):
+        self.window, self.rows, self.last_good = window, list(rows or []), None
 
-    def after_step(self, step: int, model, metrics: dict) -> None:
-        """Check step `step` (1-based) after its update; TrainingDiverged to stop (every rank at once)."""
+    def check_weights(self, step: int, model) -> None:
+        """TrainingDiverged (every rank at once) when step `step` (1-based) left non-finite weights."""
         finite = bool(torch.stack([torch.isfinite(distributed.local(p)).all() for p in model.parameters()]).all())
         if distributed.total(float(not finite)):
             self.last_good = step - 1
             raise TrainingDiverged("the weights are non-finite after the optimizer step")
-        self.streak = self.streak + 1 if metrics.get("grad_norm") == 0 else 0
-        if self.steps and self.streak >= self.steps:
-            self.last_good = step - self.streak - 1  # the update before the first silent step did it
-            raise TrainingDiverged(f"no learning signal: the gradient norm has been exactly 0 for {self.streak} steps in a "
-                                   "row (a collapsed policy, or every group's rewards equal each step); "
-                                   f"guard.collapse_steps={self.steps}, 0 turns this check off")
+
+    def after_step(self, step: int, metrics: dict) -> collapse.Collapse | None:
+        """Record step `step`'s metrics (the learner's and the rollout's); the collapse when it is now certain."""
+        self.rows.append({"step": step, **metrics})
+        found = collapse.verdict(self.rows, self.window)
+        return found if found is not None and found.certain else None
+
+    def at_end(self, held_out: tuple[float, float] | None) -> collapse.Collapse | None:
+        """The collapse the finished run shows (`held_out`: reward before and after, when measured), or None."""
+        return collapse.verdict(self.rows, self.window, end=True, held_out=held_out)
+
+    def protect(self) -> int | None:
+        """While suspect steps run, the newest step whose weights predate them: its checkpoint survives rotation."""
+        since = collapse.suspect_since(self.rows) if self.window else None
+        return None if since is None else max(since - 2, 0)
+
+    def note(self) -> str:
+        return (collapse.converged(self.rows) or "") if self.rows else ""
+
+
+def last_good_checkpoint(run_dir: Path, last_good: int | None) -> tuple[ckpt.Checkpoint | None, str]:
+    """(the newest intact checkpoint at or before step `last_good`, the words that name it, or say why there is
+    none: nothing written yet, or only checkpoints of weights that were already bad)."""
+    latest, _ = ckpt.newest_intact(run_dir, max_step=last_good)
+    if latest is not None:
+        return latest, f"{latest.path} (step {latest.step})"
+    later = [c.path.name for c in ckpt.list_checkpoints(run_dir) if last_good is not None and c.step > last_good]
+    if later:
+        return None, (f"none at or before step {last_good} ({', '.join(later)} hold weights from after it began"
+                      + ("; the run's starting weights were the last good ones" if not last_good else "") + ")")
+    return None, "none (no checkpoint had been written yet)" if not last_good else f"none at or before step {last_good}"
 
 
 def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict, last_good: int | None = None):
     """Record the divergence in summary.json and stop, naming the step and the last good checkpoint (the newest
     intact one at or before step `last_good` when given)."""
-    latest, _ = ckpt.newest_intact(run_dir, max_step=last_good)
-    kept = str(latest.path) if latest else "none (no checkpoint had been written yet)"
+    latest, kept = last_good_checkpoint(run_dir, last_good)
     message = f"training diverged at step {step}: {err}; stopped. Last good checkpoint: {kept}"
-    summary.update({"status": "diverged", "diverged_at_step": step, "error": str(err), "last_checkpoint": latest and str(latest.path)})
+    summary.update({"status": "diverged", "status_reason": str(err), "diverged_at_step": step, "error": str(err),
+                    "last_checkpoint": latest and str(latest.path)})
     if distributed.is_main():
         write_json(run_dir / "summary.json", summary)
-    console.print(f"[red]{message}[/red]")
+    console.print(f"[red]{escape(message)}[/red]")
     raise TrainingDiverged(message) from err
+
+
+def collapsed(run_dir: Path, found: collapse.Collapse, summary: dict) -> str:
+    """Put the collapse in `summary` (status "collapsed", its reason, where it began, the last good checkpoint);
+    returns the one-line message."""
+    latest, kept = last_good_checkpoint(run_dir, found.last_good_step)
+    summary.update({"status": "collapsed", "status_reason": found.reason, "collapsed_at_step": found.step,
+                    "collapse_since_step": found.since, "stopped": found.certain, "last_checkpoint": latest and str(latest.path)})
+    what = "stopped" if found.certain else "found at the end of the run"
+    return (f"the policy collapsed at step {found.since} ({what} at step {found.step}): {found.reason}. "
+            f"Last good checkpoint: {kept}")

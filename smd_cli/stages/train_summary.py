@@ -56,7 +56,14 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
                 training.add_row(label, " / ".join(f"{p / 2**20:.0f}" for p in peaks))
         elif isinstance(summary.get(key), (int, float)):
             training.add_row(label, _number(summary[key]))
+    status = summary.get("status", "completed")
+    if status == "collapsed":
+        status = f"collapsed at step {summary.get('collapse_since_step')}" + (" (stopped)" if summary.get("stopped") else "")
+    training.add_row("status", status, style="bold red" if status != "completed" else None)
     console.print(training)
+    if summary.get("status_reason"):
+        console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status") == "collapsed" else None,
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 def _number(value) -> str:

@@ -1,0 +1,151 @@
+"""A collapsed policy never reads "completed" (`smd_cli.collapse`): the rule on logged rows (the issue's own run
+among them), and through `smd train`: a policy that collapses onto wrong answers stops with status "collapsed",
+its reason, and the last checkpoint from before the collapse (kept through rotation, found again on resume); a
+dead network (lr=1e6) likewise; a policy that converged (every sample earns the full reward, so its advantages
+and gradients are exactly zero) completes."""
+
+import json
+
+import pytest
+
+from smd_cli import collapse
+from smd_cli.cli import main
+from smd_cli.io import read_jsonl
+from smd_cli.stages import train
+
+TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",
+        "model.warmstart.steps=5", "progress=false", "guard.collapse_steps=3", "checkpoint.every=1"]
+
+# The issue's run (`smd train steps=40 optim.lr=0.1 eval.num_prompts=8 grpo.prompts_per_step=4
+# grpo.num_generations=4`, seed 0, the cached 700-step warm start), its first 12 logged steps:
+# (reward, entropy, grad_norm, frac_reward_zero_std). It ended "completed", held-out reward 0.875 -> 0.
+ISSUE = [(0.25, 1.9, 0.501, 1), (0, 3.69, 0.0334, 1), (0, 4.32, 0.415, 1), (0, 3.54, 0.0297, 1), (0, 2.53, 0.00767, 1),
+         (0, 0.973, 0.00334, 1), (0, 0.339, 0.000272, 1), (0, 0.0343, 3.53e-05, 1), (0, 0.0039, 3.39e-06, 1),
+         (0, 0.000603, 8.78e-07, 1), (0, 0.000121, 2.5e-07, 1), (0, 2.92e-05, 1.14e-06, 1)]
+
+
+def rows(values) -> list[dict]:
+    return [{"step": i, "reward": r, "entropy": e, "grad_norm": g, "frac_reward_zero_std": z} for i, (r, e, g, z) in enumerate(values, 1)]
+
+
+def first_certain(history: list[dict], window: int):
+    """The first step at which the rule, fed the rows one at a time as a run logs them, is certain."""
+    return next((v for i in range(1, len(history) + 1) if (v := collapse.verdict(history[:i], window)) and v.certain), None)
+
+
+def test_the_rule_on_the_issues_run_and_on_healthy_ones():
+    found = first_certain(rows(ISSUE), 10)
+    # steps 1-10: every group's samples agreed; the reward fell from 0.25 to 0; entropy 0.000603 < 1 % of 1.9
+    assert (found.step, found.since, found.last_good_step, found.kind) == (10, 1, 0, "same")
+    assert found.reason.startswith("the sampler's reward fell from 0.25 (step 1) to a mean of 0.025 over the last 10 steps")
+    assert first_certain(rows(ISSUE[:9]), 10) is None  # nine steps are not yet certain, nor said at the end
+    assert collapse.verdict(rows(ISSUE[:9]), 10, end=True) is None
+    # ... unless the held-out reward fell by half as well (0.875 -> 0): said at the end, not stopped
+    late = collapse.verdict(rows(ISSUE[:9]), 10, end=True, held_out=(0.875, 0.0))
+    assert not late.certain and late.since == 1 and late.reason.endswith("held-out reward 0.875 -> 0")
+    # converged: the full reward on every sample, zero gradient, zero entropy, for 20 steps
+    converged = rows([(0.6, 2.0, 0.9, 0.2)] + [(1.0, 0.0, 0.0, 1)] * 20)
+    assert first_certain(converged, 3) is None and collapse.verdict(converged, 3, end=True, held_out=(0.6, 1.0)) is None
+    assert collapse.converged(converged).startswith("converged: every sample earned the full reward for the last 20 step(s)")
+    # a model that never earned a reward (all groups equal at 0 from the first step, zero gradient): not worse than it began
+    never = rows([(0.0, 6.2, 0.0, 1)] * 20)
+    assert first_certain(never, 3) is None and collapse.verdict(never, 3, end=True) is None
+    # a dead network: rewards still differ, the gradient is 1e-7 of the run's largest (not exactly 0)
+    dead = rows([(0.6, 2.0, 1.0, 0.0)] + [(0.5, 6.29, 1e-7, 0.5)] * 3)
+    found = first_certain(dead, 3)
+    assert (found.step, found.since, found.kind) == (4, 2, "dead") and found.reason.startswith("the gradient vanished (steps 2-4")
+    assert first_certain(rows([(0.6, 2.0, 1.0, 0.0)] + [(0.5, 6.29, 1e-5, 0.5)] * 3), 3) is None  # 1e-5: small, still a signal
+    # fallen and stuck, but still sampling widely (entropy 3.0): not certain, said at the end of the run
+    wide = rows([(0.7, 3.0, 1.0, 0.1)] + [(0.0, 3.0, 0.0, 1)] * 4)
+    assert first_certain(wide, 3) is None and collapse.verdict(wide, 3, end=True).since == 2
+    assert collapse.verdict(ISSUE and rows(ISSUE), 0) is None  # guard.collapse_steps=0: off
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture
+def rewards(monkeypatch):
+    """Stand-in task rewards (the 5-step warm start earns none): `rule(step, first_response_token) -> reward`."""
+    state = {"step": 0, "rule": None}
+    real = train.sample_step
+
+    def sample_step(cfg, step, *args, **kwargs):
+        state["step"] = step + 1
+        return real(cfg, step, *args, **kwargs)
+
+    def rollout_rewards(batch, *_):
+        R = batch.response_mask.size(1)
+        return [float(state["rule"](state["step"], int(row[-R]))) for row in batch.input_ids]
+
+    monkeypatch.setattr(train, "sample_step", sample_step)
+    monkeypatch.setattr(train, "rollout_rewards", rollout_rewards)
+    return state
+
+
+def smd_train(run_dir, cache, *overrides) -> int:
+    try:
+        main(["train", *TINY, *overrides, f"hydra.run.dir={run_dir}", f"cache_dir={cache}"])
+    except SystemExit as done:
+        return done.code
+    return 0
+
+
+def summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_a_collapsed_policy_stops_as_collapsed_naming_the_checkpoint_before_it(tmp_path, cache, rewards, capsys):
+    # Steps 1-3: every sample earns 1 (no advantage, so no update: step_3 holds the starting weights). From step 4:
+    # 1 for an even first response token. lr=100 makes step 4's update put all the probability on one token per
+    # prompt, odd for one of the two: from step 5 the reward falls (1 -> 0.5 or 1) and every group's samples agree.
+    rewards["rule"] = lambda step, token: 1.0 if step <= 3 else token % 2 == 0
+    run = tmp_path / "run"
+    assert smd_train(run, cache, "algo=dense", "optim.lr=100", "steps=10", "checkpoint.keep_last=2") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    said = summary(run)
+    assert said["status"] == "collapsed" and said["collapse_since_step"] == 5 and said["collapsed_at_step"] == 7 and said["stopped"]
+    assert said["status_reason"].startswith("the sampler's reward fell from 1 (step 1) to a mean of 0.667 over the last 3 steps")
+    assert "token entropy 0 nats (step 1: 6.23); the policy writes the same thing every time" in said["status_reason"]
+    assert said["last_checkpoint"] == str(run / "checkpoints" / "step_000003")
+    assert err.startswith("training collapsed: the policy collapsed at step 5 (stopped at step 7): the sampler's reward fell")
+    assert err.endswith(f"Last good checkpoint: {run / 'checkpoints' / 'step_000003'} (step 3)")
+    # rotation (keep_last=2) kept step_3, the last one before the collapse; the collapsed weights are not published
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000005", "step_000006"]
+    assert not (run / "final").exists() and [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 8))
+    # the same run in two parts: the resumed part judges the whole history and stops where this one did
+    parts = tmp_path / "parts"
+    assert smd_train(parts, cache, "algo=dense", "optim.lr=100", "steps=6", "checkpoint.keep_last=2") == 0
+    assert summary(parts)["status"] == "completed"  # steps 5-6: two silent steps, not yet a collapse
+    assert smd_train(parts, cache, "algo=dense", "optim.lr=100", "steps=10", "checkpoint.keep_last=2", "resume=true") == 1
+    assert {k: summary(parts)[k] for k in ("status", "status_reason", "collapse_since_step", "collapsed_at_step")} == \
+           {k: said[k] for k in ("status", "status_reason", "collapse_since_step", "collapsed_at_step")}
+    assert summary(parts)["last_checkpoint"] == str(parts / "checkpoints" / "step_000003")
+
+
+def test_a_dead_network_is_a_collapse_with_no_checkpoint_before_it(tmp_path, cache, rewards, capsys):
+    rewards["rule"] = lambda step, token: token % 2 == 0  # a random policy earns about half
+    run = tmp_path / "run"
+    # lr=1e6: the first update saturates the weights; from step 2 every gradient is exactly 0 while rewards differ
+    assert smd_train(run, cache, "optim.lr=1e6", "steps=8") == 1
+    err = " ".join(capsys.readouterr().err.split())
+    assert "training collapsed: the policy collapsed at step 2 (stopped at step 4): the gradient vanished (steps 2-4: norm 0" in err
+    assert err.endswith("Last good checkpoint: none at or before step 0 (step_000002, step_000003 hold weights "
+                        "from after it began; the run's starting weights were the last good ones)")
+    assert summary(run)["status"] == "collapsed" and summary(run)["last_checkpoint"] is None
+
+
+def test_a_converged_policy_completes(tmp_path, cache, rewards, capsys):
+    # GRPO learns the stand-in reward at lr=1: reward 1.0 on every sample from step 3, entropy 0, and from step 10
+    # a gradient of exactly 0 (the old guard stopped this run as "diverged" at step 12)
+    rewards["rule"] = lambda step, token: token % 2 == 0
+    run = tmp_path / "run"
+    assert smd_train(run, cache, "optim.lr=1", "steps=12") == 0
+    logged = read_jsonl(run / "metrics.jsonl")
+    assert [r["reward"] for r in logged[2:]] == [1.0] * 10 and [r["grad_norm"] for r in logged[9:]] == [0.0] * 3
+    said = summary(run)
+    assert said["status"] == "completed" and (run / "final").is_dir()
+    assert said["status_reason"].startswith("converged: every sample earned the full reward for the last 10 step(s) (from step 3)")
+    assert "status" in capsys.readouterr().out  # the console table's status row
