@@ -10,9 +10,11 @@ from __future__ import annotations
 import errno
 import importlib
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = ROOT / "conf"
@@ -56,6 +58,45 @@ def sweep_arguments(args: list[str]) -> list[str]:
     return rest
 
 
+def run_dir_problem(path: Path) -> str | None:
+    """Why `path` cannot be a run directory (None when it can): an existing file, a path under a file, a place
+    where no directory can be made (/proc), or one that cannot be written (a read-only mount, no permission).
+    A directory it can be is made now, as Hydra would make it next."""
+    if path.exists() and not path.is_dir():
+        return "it is an existing file, not a directory"
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor.exists() and not ancestor.is_dir():
+        return f"{ancestor} is a file, so nothing can be created under it"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        return f"a run directory must be a folder smd can create and write to ({err.strerror or err})"
+    return None
+
+
+def check_run_dir(args: list[str]) -> None:
+    """`hydra.run.dir=DIR` (the last one given; up to its first interpolation) must be a folder smd can create and
+    write to: said as a config error before Hydra would fail on it with a traceback. Without one, the default's
+    `runs/` (under the current directory) is checked."""
+    given = [a.partition("=")[2] for a in args if a.startswith("hydra.run.dir=")]
+    value = given[-1] if given else "runs"
+    fixed = value.split("${", 1)[0]
+    if not fixed.strip():
+        return
+    problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
+    if problem:
+        report("config error", f"hydra.run.dir={value!r} is not allowed: {problem}")
+        raise SystemExit(2)
+
+
+def report(label: str, message: str) -> None:
+    """`label: message` in red on stderr, the message as it is (a `[...]` in it is text, not rich markup)."""
+    Console(stderr=True).print(f"[red]{label}:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+
+
 def usage() -> str:
     lines = ["usage: smd STAGE [key=value ...] [--help] [--cfg job]", "", "stages:"]
     lines += [f"  {verb:<13} {text}" for verb, (_, _, text) in STAGES.items()]
@@ -64,6 +105,9 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from smd_cli.lifetime import die_with_parent
+
+    die_with_parent()  # started by `smd ablate` / `smd reproduce`: die with it (a no-op otherwise)
     argv = sys.argv[1:] if argv is None else argv
     console = Console(stderr=True)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -89,10 +133,10 @@ def main(argv: list[str] | None = None) -> None:
         try:
             stage.run(cfg)
         except ConfigError as err:
-            console.print(f"[red]config error:[/red] {err}", soft_wrap=True)  # one line: paths and values unbroken
+            report("config error", str(err))
             raise SystemExit(2) from None
-        except TrainingDiverged as err:
-            console.print(f"[red]training diverged:[/red] {err}")
+        except TrainingDiverged as err:  # or its subclass PolicyCollapsed, whose label says so
+            report(getattr(err, "label", "training diverged"), str(err))
             raise SystemExit(1) from None
         except ParityFailed as err:
             console.print(f"[red]parity check failed:[/red] {err}", soft_wrap=True)
@@ -100,11 +144,13 @@ def main(argv: list[str] | None = None) -> None:
         except OSError as err:
             if err.errno != errno.ENOSPC:
                 raise
-            console.print(f"[red]disk full:[/red] {err.strerror if err.filename is None else err}")
+            report("disk full", err.strerror if err.filename is None else str(err))
             raise SystemExit(1) from None
         finally:
             release_all()
 
+    if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg") for a in rest):
+        check_run_dir(rest)
     if verb == "ablate":
         rest = sweep_arguments(rest)
     sys.argv = [f"smd {verb}", *rest]

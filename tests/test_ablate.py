@@ -89,7 +89,7 @@ def test_the_sweep_is_the_recipe_with_the_command_line_on_top():
     with pytest.raises(ConfigError, match="write KEY=v1,v2"):
         parse_sweep(["lambda"])
     cfg = OmegaConf.create({"ablate": {"sweep": ["lambda=0,0.1,0.8", "seed=0,1,2"], "command_line": ["seed=0,1", "algo=smd,tis"],
-                                       "subset": ["lambda=0.1,0.8,5", "task=vote"]}})
+                                       "subset": ["lambda=0.10,0.8", "task=vote"]}})  # 0.10 is the value 0.1
     assert sweep_of(cfg, []) == [("lambda", ["0.1", "0.8"]), ("seed", ["0", "1"]), ("algo", ["smd", "tis"])]
     assert sweep_of(cfg, ["seed=2", "steps=3"]) == [("lambda", ["0.1", "0.8"]), ("seed", ["2"]), ("algo", ["smd", "tis"])]
     with pytest.raises(ConfigError, match="give at least one KEY=v1,v2"):

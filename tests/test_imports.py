@@ -1,11 +1,11 @@
 """Imports run one way (STYLE.md): cli -> stages -> library; only cli.py and stages/ see Hydra/OmegaConf;
-stages do not import each other (their shared helpers live in common.py, train_state.py, train_summary.py and sweep.py)."""
+stages do not import each other (their shared helpers live in common.py, rules.py, train_state.py, train_summary.py and sweep.py)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "smd_cli"
-STAGE_HELPERS = {"common", "train_state", "train_summary", "sweep"}
+STAGE_HELPERS = {"common", "train_state", "train_summary", "sweep", "rules"}
 
 
 def imports(path: Path) -> set[str]:

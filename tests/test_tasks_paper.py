@@ -153,11 +153,11 @@ def test_hub_id_fails_offline_with_the_way_out():
 
 def test_truncation_limits(tmp_path, tiny_tokenizer):
     long_q = write_jsonl(tmp_path / "q.jsonl", [{"question": "x " * 400, "answer": "#### 1"}])
-    with pytest.raises(ValueError, match="no document to truncate"):
+    with pytest.raises(ValueError, match="has no document to cut"):
         GSM8K(data_files=str(long_q), max_prompt_tokens=100).encode_prompt(
             GSM8K(data_files=str(long_q)).examples("test")[0], tiny_tokenizer)
     task = HotpotQA(data_files=str(write_jsonl(tmp_path / "h.jsonl", [hotpot_row(0)])), max_prompt_tokens=50)
-    with pytest.raises(ValueError, match="without its document is \\d+ tokens, more than task.max_prompt_tokens=50"):
+    with pytest.raises(ValueError, match="task.max_prompt_tokens=50 is not allowed .*its prompt is \\d+ tokens without its document"):
         task.encode_prompt(task.examples("validation")[0], tiny_tokenizer)
 
 

@@ -18,10 +18,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 from rich.console import Console
+from rich.markup import escape
 
 from smd_cli.io import write_json
 from smd_cli.stats import aggregate
-from smd_cli.stages.common import check, console, start_run
+from smd_cli.stages.common import console, start_run
+from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
 from smd_cli.sweep_tables import write_means, write_plot, write_table
 
@@ -39,12 +41,8 @@ class AblationFailed(SystemExit):
 
 
 def validate(cfg: DictConfig) -> None:
-    """The ablate options; cheap, before anything runs."""
-    metrics = cfg.ablate.metrics
-    check(metrics is not None and len(metrics) >= 1 and all(isinstance(m, str) and m for m in metrics), "ablate.metrics",
-          metrics, "a non-empty list of summary.json keys, e.g. [eval/reward_after]")
-    check(isinstance(cfg.ablate.plot_metric, str) and cfg.ablate.plot_metric, "ablate.plot_metric", cfg.ablate.plot_metric,
-          "a summary.json key, e.g. eval/reward_after")
+    """Every key's own rule (the train keys every member shares, and `ablate.*`); cheap, before anything runs."""
+    check_config(cfg, "ablate")
 
 
 def run(cfg: DictConfig) -> dict:
@@ -64,21 +62,30 @@ def run(cfg: DictConfig) -> dict:
     keys = [k for k, _ in sweep]
     write_table(run_.dir, rows, keys, metrics)
     write_plot(run_.dir, rows, cfg.ablate.plot_metric)
-    failed = [r for r in rows if r["status"] != "ok"]
-    result = {"runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed], "runs_dir": str(runs_dir)}
+    failed = [r for r in rows if r["status"] not in ("ok", "collapsed")]
+    fallen = [r for r in rows if r["status"] == "collapsed"]
+    result = {"runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed], "collapsed": [r["run"] for r in fallen],
+              "runs_dir": str(runs_dir)}
     over = [k for k in keys if k in cfg.ablate.aggregate_over]
     if over:  # e.g. seed=0,1,2: one row per value of the other keys, mean and standard error over the seeds
         rest = [k for k in keys if k not in over]
-        groups = aggregate(rows, rest, metrics)
+        # a collapsed run is a result of its config: averaged in (leaving it out would hide it), and counted
+        groups = aggregate([{**r, "status": "ok" if r["status"] == "collapsed" else r["status"]} for r in rows], rest, metrics)
+        for g in groups:
+            g["collapsed"] = sum(r["status"] == "collapsed" and all(str(r[k]) == str(g[k]) for k in rest) for r in rows)
         write_means(run_.dir, groups, rest, metrics, over, cfg.ablate.plot_metric)
         result["aggregated"] = {"over": over, "keys": rest, "groups": groups}
     write_json(run_.dir / "summary.json", result)
     console.print(f"ablation written to {run_.dir}/ablation.md and ablation.png" + (" (and ablation_mean.*)" if over else ""))
+    if fallen:
+        listed = "; ".join(f"{r['run']}: {r['status_reason']}" for r in fallen)
+        Console(stderr=True).print(f"[red]ablate: {len(fallen)} of {len(rows)} runs collapsed[/red] (their numbers are in the "
+                                   f"tables, marked collapsed): {escape(listed)}", highlight=False)
     if failed:
         listed = "; ".join(f"{r['run']}: {r['error']}" for r in failed)
         message = (f"{len(failed)} of {len(rows)} runs failed ({listed}); the table, csv, plot and summary.json are "
                    f"in {run_.dir}, each failed run's output in its console.log")
-        Console(stderr=True).print(f"[red]ablate failed:[/red] {message}", highlight=False)
+        Console(stderr=True).print(f"[red]ablate failed:[/red] {escape(message)}", highlight=False)
         raise AblationFailed(message)
     return result
 
@@ -89,12 +96,14 @@ def row(member: Member, runs_dir: Path, metrics: list[str], reused: bool) -> dic
     record, unreadable = read_json(run_dir / "member.json")
     summary, _ = read_json(run_dir / "summary.json")
     ok = finished(run_dir, member)
-    if ok:
-        status, error = "ok", None
+    if ok:  # completed, or collapsed: its numbers are what the collapsed policy does, flagged with the reason
+        status = record["status"]
+        error = summary.get("status_reason") if status == "collapsed" else None
     elif record.get("identity") == member.identity:
         code = record.get("returncode")
         status, error = (f"failed (exit {code})" if code else "failed"), record.get("error")
     else:
         status, error = "failed", unreadable or "the launcher did not run it to the end (no member.json)"
     return {"run": member.label, **dict(member.combo), "status": status, "error": error, "reused": reused,
+            "run_status": summary.get("status") if ok else None, "status_reason": summary.get("status_reason") if ok else None,
             **{m: summary.get(m) if ok else None for m in metrics}, "dir": str(run_dir), "name": member.name}

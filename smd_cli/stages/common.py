@@ -28,6 +28,7 @@ from smd_cli import distributed, integrity, models
 from smd_cli.attention import use_smd_attention
 from smd_cli.corrections.base import Correction
 from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
+from smd_cli.tasks.loading import PromptTooLong
 from smd_cli.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -90,7 +91,6 @@ class Run:
 
 def pick_device(cfg: DictConfig) -> torch.device:
     """The device of `cfg.device` (auto: CUDA when present); under torchrun on CUDA, the local rank's GPU."""
-    check(cfg.device in ("auto", "cpu", "cuda"), "device", cfg.device, "auto, cpu or cuda")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no CUDA device is available; use device=cpu or device=auto")
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
@@ -101,9 +101,7 @@ def pick_device(cfg: DictConfig) -> torch.device:
 def start_run(cfg: DictConfig) -> Run:
     """Seed, pick the device, join torchrun's process group when launched by it, and write the resolved config,
     overrides, git commit, versions and world size (rank 0: every rank uses rank 0's run directory)."""
-    check(isinstance(cfg.seed, int) and cfg.seed >= 0, "seed", cfg.seed, "a non-negative integer")
-    threads = cfg.get("threads")
-    check(threads is None or (isinstance(threads, int) and threads >= 1), "threads", threads, "null (torch's default) or an integer >= 1")
+    threads = cfg.get("threads")  # the values were checked by the stage's `validate` (`smd_cli.stages.rules`)
     if threads:
         torch.set_num_threads(threads)
     device = pick_device(cfg)
@@ -166,7 +164,6 @@ def build_task(cfg: DictConfig):
 def build_policy(cfg: DictConfig, option: str | None = None):
     """The eviction policy of `cfg.eviction`, or of the `eviction` group's `option` (e.g. "snapkv") at the run's
     `compression` and seed."""
-    check(0.0 <= float(cfg.compression) < 1.0, "compression", cfg.compression, "a fraction in [0, 1) of prompt KV entries to evict")
     node = cfg.eviction
     if option is not None:
         path = ROOT / "conf" / "eviction" / f"{option}.yaml"
@@ -220,6 +217,21 @@ def load_examples(task, split: str, limit: int | None = None) -> list[dict]:
     return examples
 
 
+def encode_prompt(task, example: dict, tokenizer) -> list[int]:
+    """`task.encode_prompt`, with a prompt that cannot be fitted to `task.max_prompt_tokens` a ConfigError."""
+    try:
+        return task.encode_prompt(example, tokenizer)
+    except PromptTooLong as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_prompts(task, examples: list[dict], tokenizer) -> None:
+    """Every example's prompt fits `task.max_prompt_tokens` (else a ConfigError naming it): before any model is
+    loaded, so that a long question is said at once. Nothing longer than the budget allows is tokenised."""
+    for example in examples:
+        encode_prompt(task, example, tokenizer)
+
+
 def load_tokenizer(cfg: DictConfig):
     """The tokenizer of `cfg.model` alone: the project's own for the tiny scale, else the checkpoint's."""
     m = cfg.model
@@ -236,10 +248,6 @@ def load_tokenizer(cfg: DictConfig):
 def compute_dtype(cfg: DictConfig, device: torch.device) -> str:
     """The model's compute dtype on `device`: `model.dtype`, or on the CPU `model.cpu_dtype` when set."""
     m = cfg.model
-    for key in ("dtype", "cpu_dtype"):
-        value = m.get(key)
-        check(value in DTYPES or (key == "cpu_dtype" and value is None), f"model.{key}", value,
-              f"one of {', '.join(DTYPES)}" + (" or null (= model.dtype)" if key == "cpu_dtype" else ""))
     return m.cpu_dtype if device.type == "cpu" and m.get("cpu_dtype") else m.dtype
 
 
@@ -255,7 +263,12 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     dtype = getattr(torch, name)
     if m.name_or_path is None:
         fields = {"vocab_size": len(tokenizer), **dict(m.config or {})}  # an architecture's own vocabulary wins
-        model = models.build_tiny_model(fields.pop("vocab_size"), seed=cfg.seed, dtype=dtype, device=device, **fields)
+        check_architecture(cfg, fields, len(tokenizer))
+        try:
+            model = models.build_tiny_model(fields.pop("vocab_size"), seed=cfg.seed, dtype=dtype, device=device, **fields)
+        except Exception as err:  # transformers' own checks of a config (rope, activation names, ...)
+            raise ConfigError(f"model.config of model={m.name} is not allowed: transformers cannot build it "
+                              f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
         # The warm start is for the generated tasks; the tiny model is a smoke test on the paper's datasets.
         if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
@@ -270,6 +283,17 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     if m.gradient_checkpointing:
         models.enable_checkpointing(model)
     return model.to(device).eval(), tokenizer
+
+
+def check_architecture(cfg: DictConfig, fields: dict, vocabulary: int) -> None:
+    """What attention and the tokenizer need of `model.config` (before anything is built or warm-started): KV heads
+    that divide the query heads, and a vocabulary that holds every token id."""
+    heads, kv = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    if isinstance(heads, int) and isinstance(kv, int) and heads % kv:
+        raise ConfigError(f"model.config.num_key_value_heads={kv} is not allowed: a divisor of model.config.num_attention_heads="
+                          f"{heads} (grouped-query attention shares each KV head among a whole group of query heads)")
+    if isinstance(fields.get("vocab_size"), int) and fields["vocab_size"] < vocabulary:
+        raise ConfigError(f"model.config.vocab_size={fields['vocab_size']} is not allowed: at least the tokenizer's {vocabulary} ids")
 
 
 def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):

@@ -12,27 +12,27 @@ completion, reference, metrics, lengths) and `summary.json` (the primary metric 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from smd_cli import distributed, integrity, models
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_top_k, compute_dtype, console, load_examples,
-                                  load_model, print_metrics, start_run)
+from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_prompts, compute_dtype, console, load_examples,
+                                  load_model, load_tokenizer, print_metrics, start_run)
+from smd_cli.stages.rules import check_config
+
+
+JSON_BYTES = 1 << 20  # a config.json is a few KiB: a larger one is not read
 
 
 def validate(cfg: DictConfig) -> None:
-    e = cfg.eval
-    check(e.limit is None or (isinstance(e.limit, int) and e.limit >= 1), "eval.limit", e.limit, "null (the whole split) or an integer >= 1")
-    check(isinstance(e.batch_size, int) and e.batch_size >= 1, "eval.batch_size", e.batch_size, "an integer >= 1")
-    check(isinstance(e.temperature, (int, float)) and e.temperature >= 0, "eval.temperature", e.temperature, ">= 0 (0 = greedy)")
-    check(0 < e.top_p <= 1, "eval.top_p", e.top_p, "in (0, 1]")
-    check_top_k(e.top_k, "eval.top_k")
-    check(isinstance(e.max_new_tokens, int) and e.max_new_tokens >= 1, "eval.max_new_tokens", e.max_new_tokens, "an integer >= 1")
+    check_config(cfg, "eval")
     if cfg.checkpoint is not None:
         checkpoint_dir(cfg.checkpoint)
 
@@ -62,18 +62,95 @@ def verify_written(path, weights: Path) -> None:
             return
 
 
-def load_checkpoint(cfg: DictConfig, device: torch.device):
-    """(model, tokenizer) from `cfg.checkpoint`. The tokenizer is model.tokenizer if set; at the tiny scale
-    (model.name_or_path null) the project's own, rebuilt; else the checkpoint's own copy, or model.name_or_path's."""
-    m, path = cfg.model, checkpoint_dir(cfg.checkpoint)
+def read_small_json(path: Path, what: str) -> dict:
+    """A JSON object from `path`, its size checked before it is parsed; a ConfigError saying what is wrong."""
+    size = path.stat().st_size
+    if size > JSON_BYTES:
+        raise ConfigError(f"{what}: {path} holds {size} bytes, more than the {JSON_BYTES} a model's config.json takes; "
+                          "it is not one")
+    try:
+        value = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ConfigError(f"{what}: {path} is not readable JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: {path} holds {type(value).__name__}, not a JSON object")
+    return value
+
+
+def trained_as(weights: Path) -> dict | None:
+    """The `model` settings of the `smd train` run that wrote `weights` (RUN/final, RUN/checkpoints/step_N/model),
+    from the run's config.json; None for weights from elsewhere."""
+    for run_dir in (weights.parent, weights.parent.parent.parent):
+        path = run_dir / "config.json"
+        if path.is_file() and path.stat().st_size <= JSON_BYTES:
+            try:
+                model = json.loads(path.read_bytes()).get("model")
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+                continue
+            if isinstance(model, dict) and isinstance(model.get("name"), str):
+                return model
+    return None
+
+
+def model_overrides(cfg: DictConfig) -> list[str]:
+    """The command line's `model=...` and `model.KEY=...` overrides."""
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else list(cfg.get("overrides") or [])
+    return [o for o in given if o.lstrip("+~").partition("=")[0].split(".")[0] == "model"]
+
+
+def checkpoint_model(cfg: DictConfig, weights: Path) -> str:
+    """The name of the model that `weights` is, for the summary. A `model=` choice or `model.*` override on the
+    command line must describe the checkpoint: an architecture field that differs from its config.json is a
+    ConfigError (the checkpoint's own architecture is what runs), and settings that do not apply to saved weights
+    (the warm start, random init) are named in a note."""
+    saved = read_small_json(weights / "config.json", f"checkpoint={str(cfg.checkpoint)!r}")
+    trained = trained_as(weights)
+    chosen = model_overrides(cfg)
+    if not chosen:
+        return trained["name"] if trained else f"checkpoint ({saved.get('model_type', 'unknown type')})"
+    m = cfg.model
+    fields = {**dict(m.get("architecture") or {}), **dict(m.config or {})}
+    differ = [f"{k} {saved[k]!r}, not {v!r}" for k, v in fields.items() if k in saved and saved[k] != v]
+    if differ:
+        was = f" (it was trained as model={trained['name']})" if trained else ""
+        raise ConfigError(f"{', '.join(chosen)} is not allowed with checkpoint={str(cfg.checkpoint)!r}: the checkpoint's "
+                          f"architecture differs ({'; '.join(differ[:4])}){was}. smd eval runs the checkpoint's own "
+                          "architecture: leave model out, or name the model it was trained as")
+    unused = [o for o in chosen if o.lstrip("+~").startswith(("model.warmstart", "model.random_init", "model.gradient_checkpointing"))]
+    if unused:
+        console.print(f"note: {', '.join(unused)} does not apply to a checkpoint's saved weights", highlight=False, markup=False)
+    return m.name
+
+
+def checkpoint_tokenizer(cfg: DictConfig, path: Path):
+    """model.tokenizer if set; at the tiny scale (model.name_or_path null) the project's own, rebuilt; else the
+    checkpoint's own copy, or model.name_or_path's."""
+    m = cfg.model
     own = path if (path / "tokenizer_config.json").is_file() else None
     source = m.tokenizer or (None if m.name_or_path is None else own or m.name_or_path)
-    tokenizer = models.build_tiny_tokenizer() if source is None else models.load_hub_tokenizer(str(source), m.trust_remote_code)
-    model = models.load_hub_model(str(path), compute_dtype(cfg, device), m.trust_remote_code, random_init=False)
+    return models.build_tiny_tokenizer() if source is None else models.load_hub_tokenizer(str(source), m.trust_remote_code)
+
+
+def load_checkpoint(cfg: DictConfig, device: torch.device):
+    """(model, tokenizer, name) from `cfg.checkpoint`. The tokenizer is model.tokenizer if set; at the tiny scale
+    (model.name_or_path null) the project's own, rebuilt; else the checkpoint's own copy, or model.name_or_path's.
+    `name` is the model the checkpoint is (`checkpoint_model`). Weights that cannot be read (cut short, not
+    safetensors) are a ConfigError naming the file."""
+    m, path = cfg.model, checkpoint_dir(cfg.checkpoint)
+    name = checkpoint_model(cfg, path)
+    tokenizer = checkpoint_tokenizer(cfg, path)
+    try:
+        model = models.load_hub_model(str(path), compute_dtype(cfg, device), m.trust_remote_code, random_init=False)
+    except Exception as err:  # safetensors, transformers and torch each raise their own type for a damaged file
+        signed = any((folder / integrity.MANIFEST).is_file() for folder in (path, path.parent))
+        raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: its weights in {path} cannot be loaded "
+                          f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                          + ("" if signed else "; it has no MANIFEST.json (not written by smd train), so nothing could "
+                             "check it before loading")) from None
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} ids; set model=... (or model.tokenizer=...) to the one it was trained with")
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer, name
 
 
 def run(cfg: DictConfig) -> dict:
@@ -84,19 +161,22 @@ def run(cfg: DictConfig) -> dict:
     policy = None if isinstance(policy, KeepAll) else policy  # dense: the plain cache, and its KV bytes are measured
     split = cfg.split or task.test_split
     examples = load_examples(task, split, cfg.eval.limit)
+    tokenizer = load_tokenizer(cfg) if cfg.checkpoint is None else checkpoint_tokenizer(cfg, checkpoint_dir(cfg.checkpoint))
+    check_prompts(task, examples, tokenizer)  # a prompt too long for task.max_prompt_tokens: said before any model loads
     if cfg.checkpoint is None:
         model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
+        model_name = cfg.model.name
     else:
-        model, tokenizer = load_checkpoint(cfg, run_.device)
+        model, tokenizer, model_name = load_checkpoint(cfg, run_.device)
     e = cfg.eval
-    console.print(f"eval: {task.name}/{split}, {len(examples)} examples, model={cfg.model.name} checkpoint={cfg.checkpoint}, "
+    console.print(f"eval: {task.name}/{split}, {len(examples)} examples, model={model_name} checkpoint={cfg.checkpoint}, "
                   f"eviction={'none' if policy is None else repr(policy)}, temperature={e.temperature}")
     rows, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                              policy=policy, temperature=float(e.temperature), top_p=float(e.top_p), top_k=e.top_k, seed=cfg.seed,
                              progress=cfg.progress)
     name = task.primary_metric.name if hasattr(task, "primary_metric") else "reward"
     summary.update({"metric_name": name, "metric": summary[name], "metric_stderr": summary[f"{name}_stderr"],
-                    "task": task.name, "split": split, "model": cfg.model.name, "checkpoint": cfg.checkpoint,
+                    "task": task.name, "split": split, "model": model_name, "checkpoint": cfg.checkpoint,
                     "eviction": "none" if policy is None else type(policy).__name__,
                     "compression": None if policy is None else float(cfg.compression), "temperature": float(e.temperature)})
     if distributed.is_main():  # under torchrun every rank evaluated a share; rank 0 holds all the rows and writes

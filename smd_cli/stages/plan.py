@@ -25,6 +25,7 @@ from smd_cli.io import write_json
 from smd_cli.planner import Arch, Run, largest_fitting, plan
 from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, console,
                                   load_tokenizer, start_run)
+from smd_cli.stages.rules import check_config
 
 GIB = 2**30
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -86,16 +87,17 @@ def describe(cfg: DictConfig) -> Run:
     )
 
 
-def run(cfg: DictConfig) -> dict:
-    p = cfg.plan
-    check(p.device in ("cuda", "cpu"), "plan.device", p.device, "cuda or cpu (which kernels and compute dtype to plan for)")
-    check(len(p.device_gb) >= 1 and all(v > 0 for v in p.device_gb), "plan.device_gb", list(p.device_gb), "a list of positive sizes in GiB")
-    check(0 < p.usable <= 1, "plan.usable", p.usable, "the usable fraction of device memory, in (0, 1]")
-    check(p.prompt_tokens is None or p.prompt_tokens >= 1, "plan.prompt_tokens", p.prompt_tokens, "null or >= 1")
-    check(isinstance(p.gpus, int) and p.gpus >= 1, "plan.gpus", p.gpus, "an integer >= 1 (torchrun's --nproc_per_node x --nnodes)")
-    check(cfg.grpo.prompts_per_step % p.gpus == 0, "plan.gpus", p.gpus,
+def validate(cfg: DictConfig) -> None:
+    """Every key's own rule (the train keys it plans, and `plan.*`), then the GPU count against the batch."""
+    check_config(cfg, "plan")
+    check(cfg.grpo.prompts_per_step % cfg.plan.gpus == 0, "plan.gpus", cfg.plan.gpus,
           f"a divisor of grpo.prompts_per_step={cfg.grpo.prompts_per_step} (each GPU takes an equal share of whole prompt groups)")
-    check_offload(cfg, p.gpus)
+    check_offload(cfg, cfg.plan.gpus)
+
+
+def run(cfg: DictConfig) -> dict:
+    validate(cfg)
+    p = cfg.plan
     run_ = start_run(cfg)
     step = describe(cfg)
     result = plan(step)

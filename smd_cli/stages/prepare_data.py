@@ -18,19 +18,15 @@ from rich.table import Table
 
 from smd_cli.io import write_json, write_jsonl
 from smd_cli.stages.common import ConfigError, build_task, check, console, load_examples, load_tokenizer, start_run
-from smd_cli.tasks.loading import length_stats, prompt_records
+from smd_cli.stages.rules import check_config
+from smd_cli.tasks.loading import PromptTooLong, length_stats, prompt_records
 
 CHUNK = 256  # examples per progress-bar update
 NOT_META = ("id", "prompt", "reference", "document")
 
 
 def validate(cfg: DictConfig) -> None:
-    splits = cfg.splits
-    check(splits is None or (len(splits) >= 1 and all(isinstance(s, str) and s for s in splits)), "splits", splits,
-          "null (the task's train and test splits) or a non-empty list of split names, e.g. [train,test]")
-    check(splits is None or len(set(splits)) == len(splits), "splits", splits, "each split at most once")
-    check(cfg.limit is None or (isinstance(cfg.limit, int) and cfg.limit >= 1), "limit", cfg.limit, "null (all) or an integer >= 1")
-    check(cfg.out_dir is None or (isinstance(cfg.out_dir, str) and cfg.out_dir), "out_dir", cfg.out_dir, "null (the run directory) or a path")
+    check_config(cfg, "prepare_data")
     check(cfg.out_dir is None or not Path(cfg.out_dir).exists() or Path(cfg.out_dir).is_dir(), "out_dir", cfg.out_dir,
           "a folder (this path is an existing file)")
 
@@ -47,7 +43,11 @@ def records_with_progress(task, examples: list[dict], tokenizer, bar: Progress, 
     rows = []
     for start in range(0, len(examples), CHUNK):
         chunk = examples[start : start + CHUNK]
-        for example, row in zip(chunk, prompt_records(task, chunk, tokenizer)):
+        try:
+            records = prompt_records(task, chunk, tokenizer)
+        except PromptTooLong as err:
+            raise ConfigError(str(err)) from None
+        for example, row in zip(chunk, records):
             meta = {k: v for k, v in example.items() if k not in NOT_META}
             rows.append({**row, **({"meta": meta} if meta else {})})
         bar.advance(job, len(chunk))

@@ -30,13 +30,16 @@ import torch
 from hydra import compose
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, open_dict
+from rich.markup import escape
 from rich.table import Table
 
+from smd_cli import lifetime
 from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep
 from smd_cli.report.write import write_report
 from smd_cli.stages.common import ROOT, ConfigError, check, console, start_run
+from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import distinct, finished, plan
 from smd_cli.stats import Sequential
 
@@ -47,10 +50,7 @@ HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
 
 def validate(cfg: DictConfig) -> str:
     """The scale ("tiny" or "paper"), after checking the options."""
-    check(isinstance(cfg.paper, bool), "paper", cfg.paper, "true (Qwen3-4B on the paper's tasks) or false (the tiny scale)")
-    check(isinstance(cfg.quick, bool), "quick", cfg.quick, "true or false")
-    check(isinstance(cfg.jobs, int) and cfg.jobs >= 1, "jobs", cfg.jobs, "an integer >= 1 (runs at once)")
-    check(isinstance(cfg.dry_run, bool), "dry_run", cfg.dry_run, "true or false")
+    check_config(cfg, "reproduce")
     scale = "paper" if cfg.paper else "tiny"
     tables = cfg.sweeps[scale]
     check(cfg.only is None or set(cfg.only) <= set(tables), "only", cfg.only, f"null or a subset of [{', '.join(tables)}]")
@@ -179,8 +179,9 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
 
 
 def run_logged(command: list[str]) -> int:
-    console.print(f"[bold]$ {' '.join(command)}[/bold]", soft_wrap=True, highlight=False)
-    return subprocess.run(command, cwd=ROOT).returncode
+    """Run `command` (which dies with this process: `smd_cli.lifetime`), its output streamed; its exit status."""
+    console.print(f"[bold]$ {escape(' '.join(command))}[/bold]", soft_wrap=True, highlight=False)
+    return subprocess.run(command, cwd=ROOT, env=lifetime.child_env()).returncode
 
 
 def run(cfg: DictConfig) -> dict:
@@ -276,7 +277,8 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
         for i, args in enumerate(arg_lists):
             path = where / f"{name}_{i}.json"
             if not path.is_file():
-                code = run_logged([sys.executable, str(ROOT / "bench" / f"{name}.py"), *map(str, args), "--json", str(path)])
+                code = run_logged([sys.executable, "-m", "smd_cli.lifetime", str(ROOT / "bench" / f"{name}.py"), *map(str, args),
+                                   "--json", str(path)])
                 if code:
                     console.print(f"[yellow]warning:[/yellow] bench/{name}.py failed (exit {code}): its table is left out")
                     continue

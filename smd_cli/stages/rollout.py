@@ -19,19 +19,12 @@ from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.stages.common import (build_policy, build_task, check, check_top_k, console, load_examples, load_model, print_metrics,
-                                  start_run)
+from smd_cli.stages.common import build_policy, build_task, console, encode_prompt, load_examples, load_model, print_metrics, start_run
+from smd_cli.stages.rules import check_config
 
 
 def validate(cfg: DictConfig) -> None:
-    s = cfg.sampling
-    check(isinstance(cfg.num_prompts, int) and cfg.num_prompts >= 1, "num_prompts", cfg.num_prompts, "an integer >= 1")
-    check(isinstance(cfg.num_generations, int) and cfg.num_generations >= 1, "num_generations", cfg.num_generations, "an integer >= 1")
-    check(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
-    check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
-    check_top_k(s.top_k, "sampling.top_k")
-    check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
-    check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
+    check_config(cfg, "rollout")
 
 
 @torch.no_grad()
@@ -90,7 +83,7 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     G = cfg.num_generations
     examples = [e for e in load_examples(task, cfg.split, cfg.num_prompts) for _ in range(G)]
-    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    prompts = [encode_prompt(task, e, tokenizer) for e in examples]
     console.print(f"rollout: {len(prompts)} rows ({cfg.num_prompts} prompts x {G}), eviction={policy!r}")
     batch = generate(model, prompts, policy=policy, max_new_tokens=cfg.sampling.max_new_tokens,
                      temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,

@@ -30,11 +30,15 @@ from pathlib import Path
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from rich.markup import escape
 
+from smd_cli import lifetime
 from smd_cli.io import write_json
 from smd_cli.stages.common import ROOT, ConfigError
+from smd_cli.stages.rules import check_config
 
 OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason
+SWEEP_PID = "SMD_SWEEP_PID"
 REASON_CHARS = 300
 # keys that change how a run is carried out, not what it computes: left out of a member's identity
 NOT_IDENTITY = ("progress", "threads", "cache_dir", "resume", "checkpoint", "log_every", "stage_help", "ablate", "run_dir", "overrides", "hydra")
@@ -80,11 +84,26 @@ def sweep_of(cfg: DictConfig, fixed: list[str]) -> list[tuple[str, list[str]]]:
             sweep[key] = [value]
     for key, keep in parse_sweep(cfg.ablate.get("subset") or []):  # e.g. a quick check: fewer values of a swept key
         if key in sweep:
-            sweep[key] = [v for v in sweep[key] if v in keep] or sweep[key]
+            unknown = [v for v in keep if not any(_same(v, s) for s in sweep[key])]
+            if unknown:
+                raise ConfigError(f"ablate.subset entry '{key}={','.join(keep)}' is not allowed: {', '.join(unknown)} "
+                                  f"{'is' if len(unknown) == 1 else 'are'} not among the swept values of {key} "
+                                  f"({', '.join(sweep[key])}); keep a subset of those")
+            sweep[key] = [v for v in sweep[key] if any(_same(v, k) for k in keep)]
     if not sweep:
         raise ConfigError("ablate.sweep=[] is not allowed: give at least one KEY=v1,v2 (e.g. `smd ablate lambda=0.1,0.8`) "
                           "or a recipe that sweeps (`smd ablate +recipe=ablate_lambda`)")
     return list(sweep.items())
+
+
+def _same(a: str, b: str) -> bool:
+    """Two written values of a key are the same value: equal text, or equal numbers (0.1 and 0.10)."""
+    if a == b:
+        return True
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return False
 
 
 def user_overrides(cfg: DictConfig) -> list[str]:
@@ -123,6 +142,10 @@ def _member(combo: tuple, overrides: list[str]) -> Member:
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra's override and composition errors
         raise ConfigError(f"ablate run {label}: {_chain(err)}") from None
+    try:  # every value of the member, by the rules `smd train` applies (a swept `lambda=abc` is named here)
+        check_config(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), "train")
+    except ConfigError as err:
+        raise ConfigError(f"ablate run {label}: {err}") from None
     choices, identity = cfg.hydra.runtime.choices, config_identity(cfg)
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in ("algo", "compression", "lambda", "seed")}
@@ -166,11 +189,16 @@ def _chain(err: BaseException) -> str:
     return ": ".join(parts)
 
 
+OUTCOMES = {"completed": "ok", "collapsed": "collapsed"}  # a train run's summary status -> the member's outcome (else failed)
+
+
 def finished(run_dir: Path, member: Member) -> bool:
-    """Whether `run_dir` holds this member's completed run (its outcome recorded, its summary complete)."""
+    """Whether `run_dir` holds this member's finished run (its outcome recorded, its summary complete): completed,
+    or collapsed (a result too: run again, it would collapse again)."""
     record, _ = read_json(run_dir / "member.json")
     summary, _ = read_json(run_dir / "summary.json")
-    return record.get("identity") == member.identity and record.get("status") == "ok" and summary.get("status") == "completed"
+    return (record.get("identity") == member.identity and record.get("status") in OUTCOMES.values()
+            and OUTCOMES.get(summary.get("status")) == record.get("status"))
 
 
 def member_command(overrides: list[str], run_dir: Path) -> list[str]:
@@ -181,6 +209,9 @@ def member_command(overrides: list[str], run_dir: Path) -> list[str]:
 def run_member(cfg: DictConfig) -> dict:
     """The launcher's task: run one member as a `smd train` process in its directory (the job's output dir) and
     record its outcome in `member.json`. Never raises: a failure is an outcome."""
+    sweep = os.environ.get(SWEEP_PID)
+    if sweep and sweep.isdigit() and int(sweep) != os.getpid():  # a launcher's worker process (joblib): die with the sweep
+        lifetime.watch_parent(int(sweep))
     job = HydraConfig.get()
     run_dir = Path(job.runtime.output_dir)
     overrides, identity = list(job.overrides.task), config_identity(cfg)
@@ -193,13 +224,17 @@ def run_member(cfg: DictConfig) -> dict:
     except OSError as err:
         returncode, output = 127, f"error: could not start {command[0]}: {err}"
     summary, unreadable = read_json(run_dir / "summary.json")
-    ok = returncode == 0 and not unreadable and summary.get("status") == "completed"
-    error = None if ok else unreadable or failure_reason(returncode, output, summary)
-    record = {"identity": identity, "overrides": overrides, "status": "ok" if ok else "failed", "returncode": returncode,
-              "error": error, "seconds": round(time.time() - started, 1), "command": command}
+    outcome = None if unreadable else OUTCOMES.get(summary.get("status"))  # collapsed: exit 1, but a finished result
+    if outcome == "ok" and returncode != 0:
+        outcome = None
+    error = None if outcome else unreadable or failure_reason(returncode, output, summary)
+    record = {"identity": identity, "overrides": overrides, "status": outcome or "failed", "returncode": returncode,
+              "error": error, "run_status": summary.get("status"), "status_reason": summary.get("status_reason"),
+              "seconds": round(time.time() - started, 1), "command": command}
     write_json(run_dir / "member.json", record)
     if not stream:
-        print(f"ablate: {run_dir.name}: {'ok' if ok else 'failed: ' + str(error)} ({record['seconds']:.0f} s)", flush=True)
+        said = {"ok": "ok", "collapsed": f"collapsed: {record['status_reason']}"}.get(record["status"], f"failed: {error}")
+        print(f"ablate: {run_dir.name}: {said} ({record['seconds']:.0f} s)", flush=True)
     return record
 
 
@@ -211,7 +246,7 @@ def run_logged(command: list[str], log: Path, stream: bool) -> tuple[int, str]:
     log.parent.mkdir(parents=True, exist_ok=True)
     tail = bytearray()
     with log.open("wb") as sink:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lifetime.child_env())
         ours = {proc.stdout: sys.stdout, proc.stderr: sys.stderr}
         selector = selectors.DefaultSelector()
         for pipe in ours:
@@ -315,9 +350,10 @@ def launch(members: list[Member], runs_dir: Path) -> None:
     launcher = Plugins.instance().instantiate_launcher(hydra_context=HydraContext(config_loader=loader, callbacks=Callbacks(master)),
                                                       task_function=run_member, config=master)
     jobs = [[*m.overrides, f"hydra.sweep.subdir={m.name}"] for m in members]
+    os.environ[SWEEP_PID] = str(os.getpid())  # inherited by the launcher's workers (`run_member` watches this process)
     try:
         launcher.launch(jobs, initial_job_idx=0)
     except Exception as err:  # e.g. joblib's TerminatedWorkerError: the members it did not finish are reported failed
-        Console(stderr=True).print(f"[red]ablate:[/red] the launcher stopped: {type(err).__name__}: {err}", highlight=False)
+        Console(stderr=True).print(f"[red]ablate:[/red] the launcher stopped: {escape(f'{type(err).__name__}: {err}')}", highlight=False)
 
 

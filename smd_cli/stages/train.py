@@ -22,7 +22,6 @@ one process with the same config. Rank 0 alone writes the run directory.
 from __future__ import annotations
 
 import copy
-import math
 import time
 
 import torch
@@ -33,69 +32,37 @@ from smd_cli import checkpoint as ckpt
 from smd_cli import distributed
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import MetricsLog, write_json
-from smd_cli.learner import VIEWS, Algorithm, TrainingDiverged, learner_step
+from smd_cli.io import MetricsLog, read_jsonl, write_json
+from smd_cli.learner import Algorithm, TrainingDiverged, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.offload import Offload, offloaded
 from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
-from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, check_top_k, console,
-                                  load_examples, load_model, optimizer_factory, pick_device, start_run)
-from smd_cli.stages.train_state import CollapseGuard, find_resume, last_logged, resume, save, save_final, stop_diverged
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, check_prompts, console,
+                                  encode_prompt, load_examples, load_model, load_tokenizer, optimizer_factory, pick_device, start_run)
+from smd_cli.stages.rules import check_config
+from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
+                                       stop_diverged)
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
-    g, s = cfg.grpo, cfg.sampling
+    """Every key's own rule (`smd_cli.stages.rules`), then what depends on several keys or on the machine."""
+    check_config(cfg, "train")
     check_algorithm(cfg)
-    check(isinstance(cfg.steps, int) and cfg.steps >= 0, "steps", cfg.steps, "an integer >= 0")
-    check(isinstance(g.num_generations, int) and g.num_generations >= 2, "grpo.num_generations", g.num_generations,
-          "an integer >= 2 (GRPO normalises each reward against the other samples of its group)")
-    check(isinstance(g.prompts_per_step, int) and g.prompts_per_step >= 1, "grpo.prompts_per_step", g.prompts_per_step, "an integer >= 1")
-    check(0 < g.epsilon < 1, "grpo.epsilon", g.epsilon, "a clip range in (0, 1)")
-    check(g.epsilon_high is None or g.epsilon_high > 0, "grpo.epsilon_high", g.epsilon_high, "null (= epsilon) or > 0")
-    check(g.beta >= 0, "grpo.beta", g.beta, ">= 0")
-    check(g.loss_agg in ("token_mean", "seq_mean_token_mean"), "grpo.loss_agg", g.loss_agg, "token_mean or seq_mean_token_mean")
-    check(g.scale_rewards in ("group", "none"), "grpo.scale_rewards", g.scale_rewards, "group or none")
-    check(isinstance(g.num_iterations, int) and g.num_iterations >= 1, "grpo.num_iterations", g.num_iterations, "an integer >= 1")
-    check(g.micro_batch_size is None or g.micro_batch_size >= 1, "grpo.micro_batch_size", g.micro_batch_size, "null or >= 1")
-    check(g.max_grad_norm > 0, "grpo.max_grad_norm", g.max_grad_norm, "> 0")
-    check(g.logits_chunk is None or (isinstance(g.logits_chunk, int) and g.logits_chunk >= 1), "grpo.logits_chunk", g.logits_chunk,
-          "null (about 2^23 logits per chunk) or an integer >= 1")
-    check(cfg.model.replay in ("auto", "sdpa", "flex"), "model.replay", cfg.model.replay, "auto, sdpa or flex")
     if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
-    check(math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0, "optim.lr", cfg.optim.lr, "a finite learning rate > 0")
-    check(isinstance(cfg.guard.collapse_steps, int) and cfg.guard.collapse_steps >= 0, "guard.collapse_steps",
-          cfg.guard.collapse_steps, "an integer >= 0 (0: no collapse guard)")
-    check(s.temperature > 0, "sampling.temperature", s.temperature, "> 0 for GRPO sampling (0 is greedy: no exploration)")
-    check(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
-    check_top_k(s.top_k, "sampling.top_k")
-    check(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens, "an integer >= 1")
-    check(s.get("batch_size") is None or s.batch_size >= 1, "sampling.batch_size", s.get("batch_size"), "null (all at once) or >= 1")
-    check(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
-    check(cfg["lambda"] >= 0, "lambda", cfg["lambda"], ">= 0 (the SMD distillation weight)")
-    check(cfg.eval.num_prompts >= 0, "eval.num_prompts", cfg.eval.num_prompts, ">= 0")
-    check(isinstance(cfg.eval.evicting, bool), "eval.evicting", cfg.eval.evicting, "true or false")
     if cfg.eval.evicting and not cfg.algo.evicting and cfg.eval.dense_eviction is not None:
         build_policy(cfg, cfg.eval.dense_eviction)  # a wrong option is named now, not after training
-    c = cfg.checkpoint
-    check(isinstance(c.every, int) and c.every >= 0, "checkpoint.every", c.every, "an integer >= 0 (0: only at the end)")
-    check(c.keep_last is None or (isinstance(c.keep_last, int) and c.keep_last >= 1), "checkpoint.keep_last", c.keep_last,
-          "null (keep all) or an integer >= 1")
-    check(isinstance(cfg.resume, (bool, str)), "resume", cfg.resume, "true, false, or a run directory")
     check_optimizer(cfg)
 
 
 def check_algorithm(cfg: DictConfig) -> None:
     """An algorithm is a composition (conf/algo/*.yaml): its view, whether it distils, its correction (built now,
-    so that a bad value is named before any work)."""
+    so that a bad value is named before any work). Each key's own rule is in `smd_cli.stages.rules`; here, how
+    they go together."""
     a = cfg.algo
-    check(isinstance(a.get("name"), str), "algo.name", a.get("name"), "a name (conf/algo/NAME.yaml)")
-    check(isinstance(a.get("evicting"), bool), "algo.evicting", a.get("evicting"), "true or false")
-    check(a.get("view") in VIEWS, "algo.view", a.get("view"), f"one of {', '.join(VIEWS)}")
-    check(isinstance(a.get("distill"), bool), "algo.distill", a.get("distill"), "true or false")
     check(not a.distill or a.view == "shadow", "algo.distill", a.distill,
           "false with algo.view=dense (SMD's KL from the dense teacher needs the shadow view)")
     check(a.get("correction") is not None and "_target_" in a.correction, "algo.correction", a.get("correction"),
@@ -124,6 +91,16 @@ def kernels_line(cfg: DictConfig, device: torch.device, policy, optimizer, optim
     moved = "off" if offload is None else f"on ({'pinned ' if offload.pinned else ''}host memory during rollouts)"
     return (f"kernels: attention SDPA (mask-free causal, masked rows with query groups folded), shadow replay {replay}, "
             f"decode {'CUDA graphs' if graphs else 'eager'}; optimizer {optimizer_name}{masters}; optim.offload {moved}")
+
+
+def optimizer_of(cfg: DictConfig, make, params):
+    """`make(params)` (`optimizer_factory`'s); a target that is not an optimizer class is a ConfigError."""
+    try:
+        return make(params)
+    except Exception as err:  # Hydra wraps the import or constructor error
+        cause = err.__cause__ or err
+        raise ConfigError(f"optim._target_={cfg.optim.get('_target_')!r} is not allowed: an optimizer class taking the parameters "
+                          f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''})") from None
 
 
 def rollout_policy(cfg: DictConfig):
@@ -216,6 +193,7 @@ def run(cfg: DictConfig) -> dict:
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
     eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
     check_offload(cfg, distributed.size())
+    check_prompts(task, eval_examples, load_tokenizer(cfg))  # training prompts are checked as each step reads them
     check(cfg.grpo.prompts_per_step % distributed.size() == 0, "grpo.prompts_per_step", cfg.grpo.prompts_per_step,
           f"a multiple of the {distributed.size()} processes (each rank takes an equal share of whole prompt groups)")
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress and main)
@@ -228,7 +206,7 @@ def run(cfg: DictConfig) -> dict:
     root = distributed.shard(model, run_.device, float32_masters(model) if distributed.size() > 1 else None)
     learner = root or model
     make_optimizer, optimizer_name = optimizer_factory(cfg, run_.device)
-    optimizer = build_optimizer(model, make_optimizer)
+    optimizer = build_optimizer(model, lambda params: optimizer_of(cfg, make_optimizer, params))
     offload = Offload(optimizer, run_.device) if cfg.optim.get("offload", False) else None
     if main:
         console.print(kernels_line(cfg, run_.device, policy, optimizer, optimizer_name, offload), soft_wrap=True)
@@ -250,9 +228,10 @@ def run(cfg: DictConfig) -> dict:
             policy.load_state_dict(state.pop("policy", {}))
     summary = dict(state["summary"])
     log = MetricsLog(run_dir, truncate_after=start) if main else None
-    last = last_logged(log.path) if main else {}
+    history = distributed.from_main(lambda: read_jsonl(log.path) if log.path.is_file() else [])  # rank 0 reads, all get it
+    last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
     mem = PhaseMemory(run_.device)
-    guard = CollapseGuard(cfg.guard.collapse_steps, run_dir)
+    guard, stopped = CollapseGuard(cfg.guard.collapse_steps, history), None  # a resumed run judges its whole history
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
@@ -269,7 +248,7 @@ def run(cfg: DictConfig) -> dict:
             try:
                 with mem.phase("learner"):
                     metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model)
-                guard.after_step(step + 1, model, metrics)
+                guard.check_weights(step + 1, model)
             except TrainingDiverged as err:
                 if log is not None:
                     log.close()
@@ -283,24 +262,34 @@ def run(cfg: DictConfig) -> dict:
                 log.log(step + 1, metrics)
             last = metrics
             state["seconds"] += distributed.largest(time.perf_counter() - t0)
-            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.steps:
-                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
+            stopped = guard.after_step(step + 1, metrics)  # a certain collapse: stop, and evaluate what is left
+            if stopped is not None:
+                break
+            if cfg.checkpoint.every and (step + 1) % cfg.checkpoint.every == 0 and step + 1 < cfg.steps:
+                save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
     if log is not None:
         log.close()
-    latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
-    if latest is None or latest.step != cfg.steps:
-        save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root)
-    save_final(run_dir, model, tokenizer, root)
-    summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps, "status": "completed"})
+    if stopped is None:  # a collapsed policy's weights are not published as the run's final ones
+        latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
+        if latest is None or latest.step != cfg.steps:
+            save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
+        save_final(run_dir, model, tokenizer, root)
+    summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps,
+                    "steps_run": guard.rows[-1]["step"] if guard.rows else start, "status": "completed", "status_reason": guard.note()})
     with distributed.gathered(root):
         summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})
+    before, after = summary.get("eval/reward_before"), summary.get("eval/reward_after")
+    found = stopped or guard.at_end((before, after) if isinstance(before, float) and isinstance(after, float) else None)
+    message = collapsed(run_dir, found, summary) if found is not None else None
     if main:
         summary.update(run_statistics(log.path))
         write_json(run_dir / "summary.json", summary)
         print_summary(summary, run_dir, cfg, eval_policy(cfg))
     distributed.barrier()
+    if message is not None:
+        raise PolicyCollapsed(message)
     return summary
 
 
@@ -323,7 +312,7 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
     everything = prompts_at(task, step, cfg.grpo.prompts_per_step, cfg.seed, pool)
     share = distributed.rank_slice(len(everything))
     examples = [e for e in everything[share] for _ in range(G)]
-    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    prompts = [encode_prompt(task, e, tokenizer) for e in examples]
     noise = sampling_noise(len(everything) * G, s.max_new_tokens, torch.Generator().manual_seed(cfg.seed * 1_000_003 + step))
     noise = noise[share.start * G : share.stop * G]
     chunk = s.batch_size or len(prompts)  # sequences decoded at once: bounds the rollout's KV memory
