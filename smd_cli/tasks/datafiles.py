@@ -4,7 +4,10 @@
 file (`PATH, line N` for JSON Lines, `PATH, element I (line N)` for a JSON array, `PATH, row index I` for
 parquet), so a later check of a row can name its place. `check_fields` checks one row against the
 field types of a task's schema. Every problem is a `DataFileError` (a ValueError) whose message says the
-file, the place and the fix, e.g.
+file, the place and the fix. Reading is bounded before it is expensive: a path must be a regular file
+(a FIFO or a link to /dev/zero would block or never end), a JSON Lines line is read at most `max_row_bytes`
+at a time and a longer one is refused without reading the rest, and a file that is parsed whole (a JSON array,
+parquet) is refused above `max_file_bytes`, from its size on disk. E.g.
 
     data/test.jsonl, line 2: not valid JSON (Expecting ',' delimiter at column 37): '{"question": "q2" "answer": ...'
     data/test.jsonl, line 2: not UTF-8 text: byte 0xe9 at byte offset 61 (byte 15 of the line) ...
@@ -15,12 +18,16 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 FieldTypes = Mapping[str, type | tuple[type, ...]]
 _WHITESPACE = b" \t\r\n"
+MAX_ROW_BYTES = 8 << 20  # a JSON Lines line (GovReport's longest reports are about 0.3 MB)
+MAX_FILE_BYTES = 256 << 20  # a file parsed whole (a JSON array, parquet)
 _JSON_NAMES = {str: "a string", dict: "an object", list: "an array", int: "an integer", float: "a number",
                bool: "a boolean"}
 
@@ -97,14 +104,61 @@ def _first_byte(path: Path) -> tuple[bytes, bytes]:
     return b"", head
 
 
-def _json_lines(path: Path, limit: int | None) -> tuple[list[dict], list[str]]:
-    """JSON Lines: one object per line, blank lines skipped."""
+def not_a_regular_file(path: Path) -> str | None:
+    """What `path` is when it exists but is not a regular file (a FIFO, a device, a folder), naming a symlink's
+    target; None for a regular file or a missing path."""
+    try:
+        mode = os.stat(path).st_mode  # follows symlinks: a link to /dev/zero is a character device
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    target = os.path.realpath(path)
+    return kind + (f" (a link to {target})" if Path(target) != Path(path).absolute() else "")
+
+
+def _too_big(path: Path, size: int, limit: int, what: str, key: str) -> DataFileError:
+    return DataFileError(f"{path}: {what} of {size} bytes, more than {key}={limit}; raise {key} to read it"
+                         + (" (or write the rows as JSON Lines, which are read one line at a time)" if "file" in key else ""))
+
+
+def _lines(f, max_row_bytes: int):
+    """(line number, raw line) of an open binary file, each line read at most `max_row_bytes` (+ its newline)
+    at a time: a longer one is a DataFileError (`_LongLine`) before the rest of it is read."""
+    number = 0
+    while raw := f.readline(max_row_bytes + 1):
+        number += 1
+        if len(raw) > max_row_bytes and not (len(raw) == max_row_bytes + 1 and raw.endswith(b"\n")):
+            raise _LongLine(number)
+        yield number, raw
+
+
+class _LongLine(Exception):
+    def __init__(self, number: int):
+        super().__init__(number)
+        self.number = number
+
+
+def _json_lines(path: Path, limit: int | None, max_row_bytes: int = MAX_ROW_BYTES,
+                max_file_bytes: int = MAX_FILE_BYTES) -> tuple[list[dict], list[str]]:
+    """JSON Lines: one object per line, blank lines skipped; a line longer than `max_row_bytes` is refused."""
+    try:
+        return _json_lines_bounded(path, limit, max_row_bytes, max_file_bytes)
+    except _LongLine as long:
+        raise DataFileError(f"{path}, line {long.number}: longer than task.max_row_bytes={max_row_bytes} bytes (it was not "
+                            "read further); raise task.max_row_bytes to read rows this long") from None
+
+
+def _json_lines_bounded(path: Path, limit: int | None, max_row_bytes: int, max_file_bytes: int) -> tuple[list[dict], list[str]]:
     rows, where = [], []
     offset = 0
     with path.open("rb") as f:
         head = f.read(4)
         f.seek(0)
-        for number, raw in enumerate(f, start=1):
+        for number, raw in _lines(f, max_row_bytes):
             start = offset
             offset += len(raw)
             if number == 1 and raw.startswith(codecs.BOM_UTF8):
@@ -118,7 +172,7 @@ def _json_lines(path: Path, limit: int | None) -> tuple[list[dict], list[str]]:
             try:
                 value = json.loads(line)
             except json.JSONDecodeError as err:
-                if not rows and (single := _single_object(path)) is not None:  # one pretty-printed object
+                if not rows and (single := _single_object(path, max_file_bytes)) is not None:  # one pretty-printed object
                     return [single], [f"{path}, line {number}"]
                 at = "at the end of the line" if err.pos >= len(line.rstrip()) else f"at column {err.colno}"
                 raise DataFileError(
@@ -134,8 +188,10 @@ def _json_lines(path: Path, limit: int | None) -> tuple[list[dict], list[str]]:
     return rows, where
 
 
-def _single_object(path: Path) -> dict | None:
-    """The file as one JSON object, or None when it is not one."""
+def _single_object(path: Path, max_file_bytes: int = MAX_FILE_BYTES) -> dict | None:
+    """The file as one JSON object, or None when it is not one (or too big to be read whole)."""
+    if path.stat().st_size > max_file_bytes:
+        return None
     try:
         value = json.loads(path.read_bytes().decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -217,13 +273,25 @@ def _parquet(path: Path, limit: int | None) -> tuple[list[dict], list[str]]:
     return rows, [f"{path}, row index {i}" for i in range(len(rows))]
 
 
-def read_rows(path: Path, limit: int | None = None) -> tuple[list[dict], list[str]]:
+def read_rows(path: Path, limit: int | None = None, max_row_bytes: int = MAX_ROW_BYTES,
+              max_file_bytes: int = MAX_FILE_BYTES) -> tuple[list[dict], list[str]]:
     """The rows of one local file (.jsonl / .json: JSON Lines or a JSON array of objects; .parquet), at most
-    `limit`, and where each one is; a DataFileError naming the place of the first problem."""
+    `limit`, and where each one is; a DataFileError naming the place of the first problem. Bounded: a JSON Lines
+    line above `max_row_bytes`, or a JSON array or parquet file above `max_file_bytes`, is refused unread."""
+    kind = not_a_regular_file(path)
+    if kind:
+        raise DataFileError(f"{path}: {kind}, not a regular file; give a data file (.jsonl, .json or .parquet)")
     try:
+        size = path.stat().st_size
         if path.suffix.lower() == ".parquet":
+            if size > max_file_bytes:
+                raise _too_big(path, size, max_file_bytes, "a parquet file", "task.max_file_bytes")
             return _parquet(path, limit)
         first, _ = _first_byte(path)
-        return _json_array(path, limit) if first == b"[" else _json_lines(path, limit)
+        if first == b"[":
+            if size > max_file_bytes:
+                raise _too_big(path, size, max_file_bytes, "a JSON array file (read whole)", "task.max_file_bytes")
+            return _json_array(path, limit)
+        return _json_lines(path, limit, max_row_bytes, max_file_bytes)
     except OSError as err:  # permission denied, a folder, ...: the OSError's own args[0] is only its errno
         raise DataFileError(f"{path}: cannot read the file ({err.strerror or err})") from None

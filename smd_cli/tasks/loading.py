@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from smd_cli.metrics import Metric
 from smd_cli.tasks.base import Example, Task, mean, stderr
-from smd_cli.tasks.datafiles import DataFileError, FieldTypes, check_fields, read_rows
+from smd_cli.tasks.datafiles import MAX_FILE_BYTES, MAX_ROW_BYTES, DataFileError, FieldTypes, check_fields, not_a_regular_file, read_rows
 
 DataFiles = str | Path | Sequence[str | Path] | Mapping[str, Any] | None
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -54,9 +54,12 @@ def load_rows(
     required: Sequence[str] | FieldTypes,
     data_files: DataFiles = None,
     limit: int | None = None,
+    max_row_bytes: int = MAX_ROW_BYTES,
+    max_file_bytes: int = MAX_FILE_BYTES,
 ) -> tuple[list[Example], list[str]]:
     """Rows of one split as dicts, checked for the `required` fields (names, or names -> types) and for
-    being non-empty, and where each row is: `FILE, line N` or `HUB_ID split S row index I`."""
+    being non-empty, and where each row is: `FILE, line N` or `HUB_ID split S row index I`. Local files are
+    read within `max_row_bytes` per JSON Lines line and `max_file_bytes` per file read whole (`read_rows`)."""
     field_types: FieldTypes = required if isinstance(required, Mapping) else {f: object for f in required}
     if data_files is None:
         rows, where, source, columns = _hub_rows(hub_id, config, split, limit)
@@ -64,6 +67,9 @@ def load_rows(
         paths = _files_for_split(data_files, split)
         _builder(paths)  # every file of one known kind
         for p in paths:
+            kind = not_a_regular_file(p)
+            if kind:
+                raise ValueError(f"task.data_files: {str(p)!r} is {kind}, not a regular file (split {split!r})")
             if not p.is_file():
                 raise FileNotFoundError(f"task.data_files: no such file {str(p)!r} (split {split!r})")
             if p.stat().st_size == 0:
@@ -71,7 +77,7 @@ def load_rows(
         source = f"{[str(p) for p in paths]} split {split!r}"
         rows, where = [], []
         for p in paths:
-            more, places = read_rows(p, None if limit is None else limit - len(rows))
+            more, places = read_rows(p, None if limit is None else limit - len(rows), max_row_bytes, max_file_bytes)
             rows += more
             where += places
             if limit is not None and len(rows) >= limit:
@@ -130,23 +136,29 @@ class HubTask(Task):
         max_new_tokens: int = 256,
         system_prompt: str | None = None,
         paper: Mapping[str, Any] | None = None,
+        max_row_bytes: int = MAX_ROW_BYTES,
+        max_file_bytes: int = MAX_FILE_BYTES,
     ):
         super().__init__(max_prompt_tokens=max_prompt_tokens, max_new_tokens=max_new_tokens, system_prompt=system_prompt)
         if max_prompt_tokens is not None and max_prompt_tokens <= 0:
             raise ValueError(f"task.max_prompt_tokens must be a positive integer or null, got {max_prompt_tokens}")
         self.data_files = data_files
         self.paper = dict(paper or {})
+        self.max_row_bytes, self.max_file_bytes = max_row_bytes, max_file_bytes
+        self.places: dict[str, str] = {}  # example id -> where its row is (`FILE, line N`), for errors found later
 
     def examples(self, split: str, limit: int | None = None) -> list[Example]:
         if split not in self.splits:
             raise ValueError(f"{self.name} has splits {list(self.splits)}, not {split!r}")
-        rows, where = load_rows(self.hub_id, self.hub_config, split, self.field_types, self.data_files, limit)
+        rows, where = load_rows(self.hub_id, self.hub_config, split, self.field_types, self.data_files, limit,
+                                self.max_row_bytes, self.max_file_bytes)
         examples = []
         for i, (row, place) in enumerate(zip(rows, where)):
             try:
                 examples.append(self.to_example(row, f"{self.name}-{split}-{i}"))
             except (KeyError, TypeError, ValueError) as err:  # named with the row's place, never a bare traceback
                 raise DataFileError(f"{place}: {err.args[0] if err.args else type(err).__name__}") from err
+            self.places[examples[-1]["id"]] = place
         return examples
 
     def to_example(self, row: dict[str, Any], fallback_id: str) -> Example:
@@ -190,18 +202,27 @@ class HubTask(Task):
         """(prompt text, token ids) within `max_prompt_tokens`, cutting the end of the document only.
 
         The document is cut in tokens of `tokenizer`; decoding and re-encoding can shift a boundary by
-        a token, so the cut is repeated with the measured overflow until the prompt fits.
+        a token, so the cut is repeated with the measured overflow until the prompt fits. Nothing longer than
+        `reach` characters is tokenised: a longer document is cut to that first (only its start can be kept),
+        and a longer prompt without one is refused (`PromptTooLong`) from its length alone.
         """
-        ids = super().encode_prompt(example, tokenizer)
         budget = self.max_prompt_tokens
+        if budget is not None:
+            limit = reach(budget, tokenizer)
+            document = example.get("document") or ""
+            if len(document) > limit:  # what lies past `limit` characters can never be kept
+                document = document[:limit]
+                example = {**example, "document": document, "prompt": self.build_prompt(example, document)}
+            if len(example["prompt"]) - len(document) > limit:
+                raise PromptTooLong(self._too_long(example, f"{len(example['prompt']) - len(document)} characters"
+                                                            f"{' besides its document' if document else ''}, more than "
+                                                            f"{limit} characters always hold", budget))
+        ids = super().encode_prompt(example, tokenizer)
         if budget is None or len(ids) <= budget:
             return example["prompt"], ids
         document = example.get("document")
         if not document:
-            raise ValueError(
-                f"{self.name} example {example['id']}: prompt is {len(ids)} tokens > task.max_prompt_tokens="
-                f"{budget} and has no document to truncate"
-            )
+            raise PromptTooLong(self._too_long(example, f"{len(ids)} tokens and has no document to cut", budget))
         doc_ids = tokenizer(document, add_special_tokens=False)["input_ids"]
         keep = len(doc_ids) - (len(ids) - budget)
         while keep > 0:
@@ -211,10 +232,36 @@ class HubTask(Task):
                 return prompt, ids
             keep -= len(ids) - budget
         empty = super().encode_prompt({**example, "prompt": self.build_prompt(example, "")}, tokenizer)
-        raise ValueError(
-            f"{self.name} example {example['id']}: the prompt without its document is {len(empty)} tokens, "
-            f"more than task.max_prompt_tokens={budget}"
-        )
+        raise PromptTooLong(self._too_long(example, f"{len(empty)} tokens without its document", budget))
+
+    def _too_long(self, example: Example, size: str, budget: int) -> str:
+        place = self.places.get(example["id"])
+        return (f"task.max_prompt_tokens={budget} is not allowed for {self.name} example {example['id']}"
+                f"{f' ({place})' if place else ''}: its prompt is {size}; raise task.max_prompt_tokens (within the "
+                "model's positions) or leave the example out")
+
+
+class PromptTooLong(ValueError):
+    """A prompt that cannot be fitted to `task.max_prompt_tokens`; the message names the key and the example."""
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for: its longest vocabulary entry (added and special
+    tokens included; a byte-level entry's length is its byte count). Computed once per tokenizer."""
+    cached = getattr(tokenizer, "_smd_longest_token", None)
+    if cached is None:
+        cached = max((len(token) for token in tokenizer.get_vocab()), default=1)
+        try:
+            tokenizer._smd_longest_token = cached
+        except AttributeError:
+            pass
+    return cached
+
+
+def reach(budget: int, tokenizer) -> int:
+    """Characters that always hold more than `budget` tokens: `budget + 1` tokens of the longest kind, with room
+    for a normaliser that merges up to 4 characters into one (Unicode NFC composes at most 3)."""
+    return 4 * (budget + 1) * longest_token(tokenizer)
 
 
 def prompt_records(task: Task, examples: list[Example], tokenizer) -> list[dict[str, Any]]:
