@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,17 @@ def _release_run_locks():
     from smd_cli.integrity import release_all
 
     release_all()
+
+
+@pytest.fixture(autouse=True)
+def _absl_logs_to_the_real_stderr():
+    """absl's log handler (imported with rouge-score) writes to the sys.stderr of its import, and closes that stream
+    when a later in-process `smd` run lets Hydra reconfigure logging: under pytest, a test's capture file, which
+    breaks every test after it. Pointed at the process's own stderr, it closes nothing."""
+    absl = sys.modules.get("absl.logging")
+    if absl is not None:
+        absl.get_absl_handler().python_handler.stream = sys.__stderr__
+    yield
 
 
 @pytest.fixture(scope="session")
