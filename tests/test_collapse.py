@@ -132,8 +132,8 @@ def test_a_dead_network_is_a_collapse_with_no_checkpoint_before_it(tmp_path, cac
     assert smd_train(run, cache, "optim.lr=1e6", "steps=8") == 1
     err = " ".join(capsys.readouterr().err.split())
     assert "training collapsed: the policy collapsed at step 2 (stopped at step 4): the gradient vanished (steps 2-4: norm 0" in err
-    assert err.endswith("Last good checkpoint: none at or before step 0 (step_000002, step_000003 hold weights "
-                        "from after it began; the run's starting weights were the last good ones)")
+    assert err.endswith("Last good checkpoint: none: the run's starting weights were the last good ones (its warm start, "
+                        "or the model it loaded); step_000002, step_000003 hold weights from after it")
     assert summary(run)["status"] == "collapsed" and summary(run)["last_checkpoint"] is None
 
 

@@ -173,10 +173,12 @@ def last_good_checkpoint(run_dir: Path, last_good: int | None) -> tuple[ckpt.Che
     if latest is not None:
         return latest, f"{latest.path} (step {latest.step})"
     later = [c.path.name for c in ckpt.list_checkpoints(run_dir) if last_good is not None and c.step > last_good]
-    if later:
-        return None, (f"none at or before step {last_good} ({', '.join(later)} hold weights from after it began"
-                      + ("; the run's starting weights were the last good ones" if not last_good else "") + ")")
-    return None, "none (no checkpoint had been written yet)" if not last_good else f"none at or before step {last_good}"
+    written = f"; {', '.join(later)} hold weights from after it" if later else ""
+    if last_good == 0:
+        return None, f"none: the run's starting weights were the last good ones (its warm start, or the model it loaded){written}"
+    if last_good is None and not later:
+        return None, "none (no checkpoint had been written yet)"
+    return None, f"none at or before step {last_good}{written}"
 
 
 def stop_diverged(run_dir: Path, step: int, err: TrainingDiverged, summary: dict, last_good: int | None = None):
