@@ -47,6 +47,11 @@ if lam == "0.7":  # the CLI's config error, wrapped by rich at 80 columns
     sys.stderr.write("some warning\n\nconfig error: grpo.num_generations=1 is not allowed: an integer >= 2 (GRPO\n"
                      "normalises each reward against the other samples of its group)\n")
     sys.exit(2)
+if lam == "0.6":  # the policy collapsed: stopped with exit 1, its numbers and reason in summary.json
+    (run / "summary.json").write_text(json.dumps({"status": "collapsed", "status_reason": "the sampler's reward fell to 0",
+                                                  "eval/reward_before": 0.25, "eval/reward_after": 0.0}))
+    sys.stderr.write("training collapsed: the policy collapsed at step 2\n")
+    sys.exit(1)
 if lam == "0.9":  # the run wrote its own error into summary.json
     (run / "summary.json").write_text(json.dumps({"status": "diverged", "error": "loss is nan at step 2"}))
     sys.stderr.write("training diverged: loss is nan at step 2\n")
@@ -140,6 +145,33 @@ def test_failed_runs_are_reported_not_plotted_and_exit_1(fake_train, capfd):
     assert write_plot(fake_train, summary["runs"], "eval/reward_after") == {"lambda=0.1": 0.1}
 
 
+def test_a_collapsed_member_is_marked_with_its_numbers_and_reason_and_not_run_again(fake_train, capfd):
+    runs = f"ablate.runs_dir={fake_train / 'members'}"
+    assert ablate(fake_train, "lambda=0.1,0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0  # a result, not a failure
+    assert "ablate: 2 of 4 runs collapsed (their numbers are in the tables, marked collapsed): lambda=0.6,seed=0: the sampler's " \
+           "reward fell to 0" in " ".join(capfd.readouterr().err.split())
+    root = fake_train / "ablate"
+    rows = list(csv.DictReader((root / "ablation.csv").open()))
+    assert [(r["lambda"], r["status"], r["error"], r["eval/reward_after"]) for r in rows] == [
+        ("0.1", "ok", "", "0.1"), ("0.1", "ok", "", "0.2"),
+        ("0.6", "collapsed", "the sampler's reward fell to 0", "0.0"), ("0.6", "collapsed", "the sampler's reward fell to 0", "0.0")]
+    assert "| 0.6 | 0 | 0 | collapsed | the sampler's reward fell to 0 |" in (root / "ablation.md").read_text()
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["failed"] == [] and summary["collapsed"] == ["lambda=0.6,seed=0", "lambda=0.6,seed=1"]
+    assert [(r["run_status"], r["status_reason"]) for r in summary["runs"]][2] == ("collapsed", "the sampler's reward fell to 0")
+    means = {r["lambda"]: r for r in csv.DictReader((root / "ablation_mean.csv").open())}
+    assert (means["0.6"]["eval/reward_after"], means["0.6"]["n"], means["0.6"]["collapsed"]) == ("0.0", "2", "2")  # averaged in
+    assert "2/2 (2 collapsed)" in (root / "ablation_mean.md").read_text()
+    member = json.loads((Path(rows[2]["dir"]) / "member.json").read_text())
+    assert (member["status"], member["returncode"], member["run_status"], member["status_reason"]) == \
+           ("collapsed", 1, "collapsed", "the sampler's reward fell to 0")
+    assert write_plot(fake_train, summary["runs"], "eval/reward_after") == {"lambda=0.1,seed=0": 0.1, "lambda=0.1,seed=1": 0.2,
+                                                                             "lambda=0.6,seed=0": 0.0, "lambda=0.6,seed=1": 0.0}
+    first = calls(fake_train)
+    assert ablate(fake_train, "lambda=0.1,0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0
+    assert calls(fake_train) == first  # a collapsed member is finished: it would collapse again
+
+
 def test_shared_members_run_once_and_a_stopped_sweep_resumes(fake_train):
     runs = f"ablate.runs_dir={fake_train / 'members'}"
     (fake_train / "fail_once_0.3_1").touch()  # lambda 0.3, seed 1 dies the first time
@@ -231,15 +263,17 @@ def test_submitit_launcher_runs_a_member(tmp_path):
 
 @pytest.mark.slow
 def test_ablate_cli_failed_runs_exit_1_with_the_reason(tmp_path):
-    """Two real `smd train` runs that stop on a config error: each reason in the table, exit status 1."""
+    """Two real `smd train` runs that stop on a config error found only when they run (a tokenizer that is not there;
+    a wrong type or range is refused before the sweep starts): each reason in the table, exit status 1."""
     out = tmp_path / "ablate"
-    done = run_cli("ablate", "grpo.num_generations=0,1", "progress=false", f"hydra.run.dir={out}", tmp_path=tmp_path)
+    done = run_cli("ablate", "model.tokenizer=/no/such/tokenizer_a,/no/such/tokenizer_b", "progress=false", f"hydra.run.dir={out}",
+                   tmp_path=tmp_path)
     assert done.returncode == 1, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "ablate failed: 2 of 2 runs failed" in done.stderr
     rows = list(csv.DictReader((out / "ablation.csv").open()))
     assert [r["status"] for r in rows] == ["failed (exit 2)"] * 2
     for r in rows:
-        assert r["error"].startswith(f"config error: grpo.num_generations={r['grpo.num_generations']} is not allowed: an integer >= 2")
+        assert r["error"].startswith(f"config error: model.tokenizer='{r['model.tokenizer']}': could not load its tokenizer")
     assert (out / "ablation.png").is_file() and json.loads((out / "summary.json").read_text())["failed"]
 
 
