@@ -147,28 +147,26 @@ def test_failed_runs_are_reported_not_plotted_and_exit_1(fake_train, capfd):
 
 def test_a_collapsed_member_is_marked_with_its_numbers_and_reason_and_not_run_again(fake_train, capfd):
     runs = f"ablate.runs_dir={fake_train / 'members'}"
-    assert ablate(fake_train, "lambda=0.1,0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0  # a result, not a failure
-    assert "ablate: 2 of 4 runs collapsed (their numbers are in the tables, marked collapsed): lambda=0.6,seed=0: the sampler's " \
-           "reward fell to 0" in " ".join(capfd.readouterr().err.split())
+    assert ablate(fake_train, "lambda=0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0  # a result, not a failure
+    assert "ablate: 2 of 2 runs collapsed (their numbers are in the tables, marked collapsed): seed=0: the sampler's reward " \
+           "fell to 0; seed=1: the sampler's reward fell to 0" in " ".join(capfd.readouterr().err.split())
     root = fake_train / "ablate"
     rows = list(csv.DictReader((root / "ablation.csv").open()))
-    assert [(r["lambda"], r["status"], r["error"], r["eval/reward_after"]) for r in rows] == [
-        ("0.1", "ok", "", "0.1"), ("0.1", "ok", "", "0.2"),
-        ("0.6", "collapsed", "the sampler's reward fell to 0", "0.0"), ("0.6", "collapsed", "the sampler's reward fell to 0", "0.0")]
-    assert "| 0.6 | 0 | 0 | collapsed | the sampler's reward fell to 0 |" in (root / "ablation.md").read_text()
+    assert [(r["seed"], r["status"], r["error"], r["eval/reward_after"]) for r in rows] == [
+        ("0", "collapsed", "the sampler's reward fell to 0", "0.0"), ("1", "collapsed", "the sampler's reward fell to 0", "0.0")]
+    assert "| 1 | 0 | collapsed | the sampler's reward fell to 0 |" in (root / "ablation.md").read_text()
     summary = json.loads((root / "summary.json").read_text())
-    assert summary["failed"] == [] and summary["collapsed"] == ["lambda=0.6,seed=0", "lambda=0.6,seed=1"]
-    assert [(r["run_status"], r["status_reason"]) for r in summary["runs"]][2] == ("collapsed", "the sampler's reward fell to 0")
-    means = {r["lambda"]: r for r in csv.DictReader((root / "ablation_mean.csv").open())}
-    assert (means["0.6"]["eval/reward_after"], means["0.6"]["n"], means["0.6"]["collapsed"]) == ("0.0", "2", "2")  # averaged in
+    assert summary["failed"] == [] and summary["collapsed"] == ["seed=0", "seed=1"]
+    assert [(r["run_status"], r["status_reason"]) for r in summary["runs"]][0] == ("collapsed", "the sampler's reward fell to 0")
+    (mean,) = csv.DictReader((root / "ablation_mean.csv").open())
+    assert (mean["eval/reward_after"], mean["n"], mean["collapsed"]) == ("0.0", "2", "2")  # averaged in, and counted
     assert "2/2 (2 collapsed)" in (root / "ablation_mean.md").read_text()
-    member = json.loads((Path(rows[2]["dir"]) / "member.json").read_text())
+    member = json.loads((Path(rows[0]["dir"]) / "member.json").read_text())
     assert (member["status"], member["returncode"], member["run_status"], member["status_reason"]) == \
            ("collapsed", 1, "collapsed", "the sampler's reward fell to 0")
-    assert write_plot(fake_train, summary["runs"], "eval/reward_after") == {"lambda=0.1,seed=0": 0.1, "lambda=0.1,seed=1": 0.2,
-                                                                             "lambda=0.6,seed=0": 0.0, "lambda=0.6,seed=1": 0.0}
+    assert write_plot(fake_train, summary["runs"], "eval/reward_after") == {"seed=0": 0.0, "seed=1": 0.0}  # drawn, hatched
     first = calls(fake_train)
-    assert ablate(fake_train, "lambda=0.1,0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0
+    assert ablate(fake_train, "lambda=0.6", "seed=0,1", runs, "ablate.metrics=[eval/reward_after]") == 0
     assert calls(fake_train) == first  # a collapsed member is finished: it would collapse again
 
 
