@@ -23,6 +23,7 @@ import time
 
 ENV = "SMD_PARENT_PID"
 PR_SET_PDEATHSIG = 1
+_watching = False
 
 
 def child_env(env: dict | None = None) -> dict:
@@ -52,9 +53,11 @@ def die_with_parent() -> None:
 
 def watch_parent(parent: int, interval: float = 0.1) -> bool:
     """A daemon thread that kills this process as soon as `parent` is no longer its parent; False (nothing
-    watched) when `parent` is not this process's parent to begin with (e.g. a cluster job)."""
-    if os.getppid() != parent:
-        return False
+    watched) when `parent` is not this process's parent to begin with (e.g. a cluster job). Once per process."""
+    global _watching
+    if os.getppid() != parent or _watching:
+        return _watching
+    _watching = True
 
     def watch() -> None:
         while os.getppid() == parent:

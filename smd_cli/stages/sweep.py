@@ -331,6 +331,19 @@ def read_json(path: Path) -> tuple[dict, str | None]:
     return (value, None) if isinstance(value, dict) else ({}, f"{path.name} is not a JSON object")
 
 
+def _workers_watch_this_process() -> None:
+    """joblib's worker processes (Hydra's joblib launcher) watch this process from their start, so that an idle one
+    dies with the sweep too: its `loky` backend, given an initializer (the launcher cannot pass one)."""
+    from joblib import register_parallel_backend
+    from joblib._parallel_backends import LokyBackend
+
+    class WatchedLoky(LokyBackend):
+        def configure(self, *args, **kwargs):
+            return super().configure(*args, initializer=lifetime.watch_parent, initargs=(os.getpid(),), **kwargs)
+
+    register_parallel_backend("loky", WatchedLoky)
+
+
 def launch(members: list[Member], runs_dir: Path) -> None:
     """Run `members` through the configured Hydra launcher, each in `runs_dir/NAME`. A launcher that breaks
     down (a worker killed) is reported, not raised: its members then have no completed `member.json`."""
@@ -351,6 +364,7 @@ def launch(members: list[Member], runs_dir: Path) -> None:
                                                       task_function=run_member, config=master)
     jobs = [[*m.overrides, f"hydra.sweep.subdir={m.name}"] for m in members]
     os.environ[SWEEP_PID] = str(os.getpid())  # inherited by the launcher's workers (`run_member` watches this process)
+    _workers_watch_this_process()
     try:
         launcher.launch(jobs, initial_job_idx=0)
     except Exception as err:  # e.g. joblib's TerminatedWorkerError: the members it did not finish are reported failed
