@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> None:
             report(getattr(err, "label", "training diverged"), str(err))
             raise SystemExit(1) from None
         except ParityFailed as err:
-            console.print(f"[red]parity check failed:[/red] {err}", soft_wrap=True)
+            report("parity check failed", str(err))
             raise SystemExit(1) from None
         except OSError as err:
             if err.errno != errno.ENOSPC:

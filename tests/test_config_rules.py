@@ -11,11 +11,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from smd_cli.cli import CONF_DIR, RECIPES_DIR, register_recipes
-from smd_cli.stages import ablate, evaluate, plan, prepare_data, reproduce, rollout, rules, train
+from smd_cli.stages import ablate, check_parity, evaluate, plan, prepare_data, reproduce, rollout, rules, train
 from smd_cli.stages.common import ConfigError
 
-STAGES = {"train": train, "ablate": ablate, "plan": plan, "eval": evaluate, "rollout": rollout, "prepare_data": prepare_data,
-          "reproduce": reproduce}
+STAGES = {"train": train, "ablate": ablate, "plan": plan, "eval": evaluate, "rollout": rollout, "check_parity": check_parity,
+          "prepare_data": prepare_data, "reproduce": reproduce}
 GROUP_FILES = sorted(p for p in CONF_DIR.rglob("*.yaml") if p.parent != CONF_DIR and "hydra" not in p.parts)
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 # values of every kind a command line can give: a word, a list, a mapping, a boolean, a negative number, NaN, null
@@ -56,13 +56,13 @@ def settings(variants) -> dict[tuple[str, str], tuple]:
 
 
 def test_every_key_of_every_composed_config_has_a_rule_and_accepts_its_default(variants):
-    assert len(variants) == len(STAGES) + len(GROUP_FILES) + len(RECIPES) == 7 + 25 + 14
+    assert len(variants) == len(STAGES) + len(GROUP_FILES) + len(RECIPES) == 8 + 28 + 14
     seen = settings(variants)
     missing = sorted({key for (stage, key), (rule, *_) in seen.items() if rule is None})
     assert not missing, f"config keys without a rule in smd_cli/stages/rules.py: {missing}"
     refused = [(stage, key, value, overrides) for (stage, key), (rule, _, value, overrides) in seen.items() if not rule(value)]
     assert not refused, f"defaults refused by their own rule: {refused}"
-    assert len({key for _, key in seen}) >= 160
+    assert len({key for _, key in seen}) >= 170
 
 
 def test_every_key_refuses_a_wrong_type_with_a_config_error_naming_it(variants):
@@ -99,7 +99,7 @@ def test_every_key_refuses_a_wrong_type_with_a_config_error_naming_it(variants):
         if not rule.record and not refused_kinds & others:
             empty.append((stage, key))
     assert not empty, f"keys whose rule refuses no value of another kind than their default's: {empty}"
-    assert checked >= 7 * 160 and stages == set(STAGES)
+    assert checked >= 7 * 170 and stages == set(STAGES)
 
 
 def _set(config: dict, key: str, value) -> dict:

@@ -10,46 +10,25 @@ exits 1 (`ParityFailed`) when a view that must equal the sampler misses it by mo
 
 from __future__ import annotations
 
-import math
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 from rich.table import Table
 
 from smd_cli.io import write_json
 from smd_cli.parity import JUDGED, ParityFailed, Settings, check
 from smd_cli.rollout import generate
-from smd_cli.stages.common import (ROOT, build_policy, build_task, check as check_value, check_top_k, console, load_examples, load_model,
-                                  start_run, to_dict)
+from smd_cli.stages.common import (ROOT, build_policy, build_task, console, encode_prompt, load_examples, load_model, start_run,
+                                  to_dict)
+from smd_cli.stages.rules import check_config
 
 VIEWS = ("shadow", "physical", "shadow_float64", "dense")  # the table's columns
 
 
 def validate(cfg: DictConfig) -> None:
-    s, p = cfg.sampling, cfg.parity
-    check_value(isinstance(cfg.num_prompts, int) and cfg.num_prompts >= 1, "num_prompts", cfg.num_prompts, "an integer >= 1")
-    check_value(isinstance(cfg.num_generations, int) and cfg.num_generations >= 1, "num_generations", cfg.num_generations,
-                "an integer >= 1")
-    check_value(s.temperature >= 0, "sampling.temperature", s.temperature, ">= 0 (0 = greedy)")
-    check_value(0 < s.top_p <= 1, "sampling.top_p", s.top_p, "in (0, 1]")
-    check_top_k(s.top_k, "sampling.top_k")
-    check_value(isinstance(s.max_new_tokens, int) and s.max_new_tokens >= 1, "sampling.max_new_tokens", s.max_new_tokens,
-                "an integer >= 1")
-    check_value(s.get("compile", "auto") in ("auto", True, False), "sampling.compile", s.get("compile"), "auto, true or false")
-    check_value(isinstance(p.bound, (int, float)) and math.isfinite(p.bound) and p.bound > 0, "parity.bound", p.bound,
-                "a finite number > 0 (the largest |log p_view - log p_sampler| allowed)")
-    for key in ("physical", "float64"):
-        check_value(isinstance(p[key], bool), f"parity.{key}", p[key], "true or false")
-    check_value(p.micro_batch_size is None or (isinstance(p.micro_batch_size, int) and p.micro_batch_size >= 1),
-                "parity.micro_batch_size", p.micro_batch_size, "null or an integer >= 1")
-    check_value(p.logits_chunk is None or (isinstance(p.logits_chunk, int) and p.logits_chunk >= 1), "parity.logits_chunk",
-                p.logits_chunk, "null or an integer >= 1")
-    check_value(cfg.model.replay in ("auto", "sdpa", "flex"), "model.replay", cfg.model.replay, "auto, sdpa or flex")
-    policies = cfg.policies
-    check_value(policies is None or policies == "all" or (isinstance(policies, (list, ListConfig)) and policies
-                and all(isinstance(name, str) for name in policies)), "policies", policies,
-                "null (the composed eviction), all, or a list of conf/eviction/ option names")
+    """Every key's own rule (`smd_cli.stages.rules`); a policy name is checked when it is built (`policies`)."""
+    check_config(cfg, "check_parity")
 
 
 def policies(cfg: DictConfig) -> list[tuple[str, object]]:
@@ -69,7 +48,7 @@ def run(cfg: DictConfig) -> dict:
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     G, s, p = cfg.num_generations, cfg.sampling, cfg.parity
     examples = [e for e in load_examples(task, cfg.split, cfg.num_prompts) for _ in range(G)]
-    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    prompts = [encode_prompt(task, e, tokenizer) for e in examples]
     settings = Settings(temperature=float(s.temperature), micro_batch_size=p.micro_batch_size, logits_chunk=p.logits_chunk,
                         replay_backend=cfg.model.replay, physical=p.physical, float64=p.float64)
     results = {}

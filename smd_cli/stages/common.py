@@ -45,11 +45,6 @@ def check(ok: bool, key: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{key}={value!r} is not allowed: {allowed}")
 
 
-def check_top_k(value: Any, key: str) -> None:
-    """`sampling.top_k`-like keys: an integer >= 0 (0 = no top-k)."""
-    check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, key, value, "an integer >= 0 (0 = no top-k)")
-
-
 def check_offload(cfg: DictConfig, processes: int) -> None:
     """`optim.offload`: true or false, and only for one process (under torchrun FSDP2 shards that state instead)."""
     offload = cfg.optim.get("offload", False)

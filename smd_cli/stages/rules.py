@@ -224,7 +224,7 @@ RULES: dict[str, Rule] = {
     "eval.dense_eviction": one_of(*_options("eviction"), null="none"),
     "algo.name": text("a name (conf/algo/NAME.yaml's)"),
     "algo.evicting": flag(),
-    "algo.view": one_of(*VIEWS),
+    "algo.view": one_of(*VIEWS, text=f"one of {', '.join(VIEWS)}"),
     "algo.distill": flag(),
     "algo.correction": mapping("a node with a _target_ (smd_cli/corrections/; NoCorrection for none)"),
     "algo.correction._target_": text("a correction class path, e.g. smd_cli.corrections.tis.TIS"),
