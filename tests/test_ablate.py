@@ -97,6 +97,10 @@ def test_the_sweep_is_the_recipe_with_the_command_line_on_top():
                                        "subset": ["lambda=0.10,0.8", "task=vote"]}})  # 0.10 is the value 0.1
     assert sweep_of(cfg, []) == [("lambda", ["0.1", "0.8"]), ("seed", ["0", "1"]), ("algo", ["smd", "tis"])]
     assert sweep_of(cfg, ["seed=2", "steps=3"]) == [("lambda", ["0.1", "0.8"]), ("seed", ["2"]), ("algo", ["smd", "tis"])]
+    shared = OmegaConf.create({"ablate": {"sweep": ["lambda=0,0.1,0.8"], "command_line": [], "subset": ["lambda=0.1,0.5"]}})
+    assert sweep_of(shared, []) == [("lambda", ["0.1"])]  # 0.5 is not swept: named in a note, left out
+    with pytest.raises(ConfigError, match=r"ablate.subset entry 'lambda=0.5' is not allowed: none of its values is among"):
+        sweep_of(OmegaConf.create({"ablate": {"sweep": ["lambda=0,0.1"], "command_line": [], "subset": ["lambda=0.5"]}}), [])
     with pytest.raises(ConfigError, match="give at least one KEY=v1,v2"):
         sweep_of(OmegaConf.create({"ablate": {"sweep": [], "command_line": []}}), [])
 

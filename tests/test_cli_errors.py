@@ -51,8 +51,8 @@ def trained(tmp_path_factory, cache):
 def test_an_ablate_subset_of_values_that_are_not_swept_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sweep, "member_command", lambda *a: pytest.fail("no run may start"))
     assert smd("ablate", "lambda=0.1,0.8", "ablate.subset=['lambda=0.5']", f"hydra.run.dir={tmp_path / 'sweep'}") == 2
-    assert said(capsys) == ("config error: ablate.subset entry 'lambda=0.5' is not allowed: 0.5 is not among the swept "
-                            "values of lambda (0.1, 0.8); keep a subset of those")
+    assert said(capsys) == ("config error: ablate.subset entry 'lambda=0.5' is not allowed: none of its values is among the "
+                            "swept values of lambda (0.1, 0.8); keep a subset of those")
 
 
 # -- 3: smd eval with a model that is not the checkpoint's ------------------------------------------------------
