@@ -303,6 +303,7 @@ RULES: dict[str, Rule] = {
     # reproduce
     "paper": flag("true (Qwen3-4B on the paper's tasks) or false (the tiny scale)"),
     "quick": flag(),
+    "dry_run": flag(),
     "jobs": integer(1, "(runs at once)"),
     "only": strings("a non-empty list of tables, e.g. [main, lambda]", nonempty=True, null="all of the scale's tables"),
     "root": text("a folder path", null="runs/reproduce/SCALE"),
@@ -310,8 +311,11 @@ RULES: dict[str, Rule] = {
     "sweeps": mapping("a mapping scale -> {table: recipe}"),
     "quick_overrides": mapping("a mapping scale -> a list of overrides"),
     "benchmarks": mapping("a mapping scale -> {benchmark: argument lists}"),
+    "sequential": mapping("a mapping scale -> {looks, alpha, power}"),
+    "cost": mapping("a mapping scale -> the cost model's seconds"),
+    "parity_check": mapping("a mapping scale -> smd check-parity overrides"),
 }
-PATTERNS: dict[str, Rule] = {  # globs, in order; `*` also matches dots
+PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also matches dots: the longer ones first)
     "model.config.vocab_size": FIELD_INT,
     "model.config.hidden_size": FIELD_INT, "model.config.intermediate_size": FIELD_INT,
     "model.config.num_hidden_layers": FIELD_INT, "model.config.num_attention_heads": FIELD_INT,
@@ -329,6 +333,14 @@ PATTERNS: dict[str, Rule] = {  # globs, in order; `*` also matches dots
     "task.paper.*": Rule(_plain, "a number, string, boolean, list, mapping or null (recorded, not used)", record=True),
     "sweeps.*.*": one_of(*_recipes(), text="a recipe name: " + ", ".join(_recipes())),
     "quick_overrides.*": strings("a list of overrides"),
+    "sequential.*.looks": Rule(lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(n) and n >= 1 for n in v)
+                               and v == sorted(set(v)), "a non-empty increasing list of seed counts, e.g. [3, 5, 8]"),
+    "sequential.*.alpha": real(0, 1, low_open=True, high_open=True, text="a probability in (0, 1)"),
+    "sequential.*.power": real(0, 1, low_open=True, high_open=True, text="a probability in (0, 1)"),
+    "sequential.*": mapping("{looks, alpha, power} of the seeds-until-decided rule"),  # after its keys: `*` matches dots
+    "cost.*.*": real(0, text="a finite number of seconds >= 0"),
+    "cost.*": mapping("the cost model's seconds (run_s, step_s, ...)", null="no prediction"),
+    "parity_check.*": strings("a list of smd check-parity overrides", null="no parity check"),
     "benchmarks.*.*": Rule(_arg_lists, "a list of argument lists, e.g. [[--algos, 'dense,smd']]"),
 }
 
