@@ -305,8 +305,9 @@ def test_dry_run_prints_the_cost_models_prediction(tmp_path, capsys):
 
 
 def test_a_bad_sequential_rule_is_a_config_error(capsys):
-    for bad, why in (("sequential.tiny.looks=[5,3]", "looks must be increasing seed counts >= 1, got [5, 3]"),
-                     ("sequential.tiny.alpha=0.7", "need 0 < alpha < 0.5")):
+    for bad, why in (("sequential.tiny.looks=[5,3]", "sequential.tiny.looks=[5, 3] is not allowed: a non-empty increasing list of "
+                                                     "seed counts, e.g. [3, 5, 8]"),
+                     ("sequential.tiny.alpha=0.7", "sequential.tiny.alpha=0.7 is not allowed: a one-sided error in (0, 0.5)")):
         with pytest.raises(SystemExit) as done:
             main(["reproduce", bad, "dry_run=true"])
         assert done.value.code == 2 and why in " ".join(capsys.readouterr().err.split())

@@ -335,7 +335,7 @@ PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also ma
     "quick_overrides.*": strings("a list of overrides"),
     "sequential.*.looks": Rule(lambda v: isinstance(v, list) and len(v) >= 1 and all(_int(n) and n >= 1 for n in v)
                                and v == sorted(set(v)), "a non-empty increasing list of seed counts, e.g. [3, 5, 8]"),
-    "sequential.*.alpha": real(0, 1, low_open=True, high_open=True, text="a probability in (0, 1)"),
+    "sequential.*.alpha": real(0, 0.5, low_open=True, high_open=True, text="a one-sided error in (0, 0.5)"),
     "sequential.*.power": real(0, 1, low_open=True, high_open=True, text="a probability in (0, 1)"),
     "sequential.*": mapping("{looks, alpha, power} of the seeds-until-decided rule"),  # after its keys: `*` matches dots
     "cost.*.*": real(0, text="a finite number of seconds >= 0"),
