@@ -100,14 +100,14 @@ def summary(run_dir) -> dict:
 def test_a_collapsed_policy_stops_as_collapsed_naming_the_checkpoint_before_it(tmp_path, cache, rewards, capsys):
     # Steps 1-3: every sample earns 1 (no advantage, so no update: step_3 holds the starting weights). From step 4:
     # 1 for an even first response token. lr=100 makes step 4's update put all the probability on one token per
-    # prompt, odd for one of the two: from step 5 the reward falls (1 -> 0.5 or 1) and every group's samples agree.
+    # prompt, here odd for both: from step 5 the reward falls to 0 and every group's samples agree.
     rewards["rule"] = lambda step, token: 1.0 if step <= 3 else token % 2 == 0
     run = tmp_path / "run"
     assert smd_train(run, cache, "algo=dense", "optim.lr=100", "steps=10", "checkpoint.keep_last=2") == 1
     err = " ".join(capsys.readouterr().err.split())
     said = summary(run)
     assert said["status"] == "collapsed" and said["collapse_since_step"] == 5 and said["collapsed_at_step"] == 7 and said["stopped"]
-    assert said["status_reason"].startswith("the sampler's reward fell from 1 (step 1) to a mean of 0.667 over the last 3 steps")
+    assert said["status_reason"].startswith("the sampler's reward fell from 1 (step 1) to a mean of 0 over the last 3 steps")
     assert "token entropy 0 nats (step 1: 6.23); the policy writes the same thing every time" in said["status_reason"]
     assert said["last_checkpoint"] == str(run / "checkpoints" / "step_000003")
     assert err.startswith("training collapsed: the policy collapsed at step 5 (stopped at step 7): the sampler's reward fell")
@@ -138,14 +138,14 @@ def test_a_dead_network_is_a_collapse_with_no_checkpoint_before_it(tmp_path, cac
 
 
 def test_a_converged_policy_completes(tmp_path, cache, rewards, capsys):
-    # GRPO learns the stand-in reward at lr=1: reward 1.0 on every sample from step 3, entropy 0, and from step 10
-    # a gradient of exactly 0 (the old guard stopped this run as "diverged" at step 12)
+    # GRPO learns the stand-in reward at lr=1: from step 4 reward 1.0 on every sample, entropy 0 and a gradient of
+    # exactly 0 (the old guard, "exactly 0 for guard.collapse_steps steps", stopped this run as "diverged" at step 6)
     rewards["rule"] = lambda step, token: token % 2 == 0
     run = tmp_path / "run"
     assert smd_train(run, cache, "optim.lr=1", "steps=12") == 0
     logged = read_jsonl(run / "metrics.jsonl")
-    assert [r["reward"] for r in logged[2:]] == [1.0] * 10 and [r["grad_norm"] for r in logged[9:]] == [0.0] * 3
+    assert [r["reward"] for r in logged[3:]] == [1.0] * 9 and [r["grad_norm"] for r in logged[3:]] == [0.0] * 9
     said = summary(run)
     assert said["status"] == "completed" and (run / "final").is_dir()
-    assert said["status_reason"].startswith("converged: every sample earned the full reward for the last 10 step(s) (from step 3)")
+    assert said["status_reason"].startswith("converged: every sample earned the full reward for the last 9 step(s) (from step 4)")
     assert "status" in capsys.readouterr().out  # the console table's status row

@@ -233,7 +233,7 @@ RULES: dict[str, Rule] = {
     "optim.betas": Rule(_betas, "a list of two numbers in [0, 1), e.g. [0.9, 0.999]"),
     "optim.weight_decay": real(0),
     "optim.fused": flag(),
-    "optim.offload": flag("true (the masters, their gradients and the optimizer state on host memory during rollouts) or false"),
+    "optim.offload": flag(),
     "eviction._target_": text("an eviction policy class path, e.g. smd_cli.eviction.snapkv.SnapKV"),
     "eviction.compression": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV entries to evict"),
     "eviction.sink": integer(0),
