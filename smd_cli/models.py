@@ -105,6 +105,34 @@ def load_hub_model(name_or_path: str, dtype: str, trust_remote_code: bool, rando
     return use_smd_attention(model)
 
 
+DECODER_LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")  # what smd_cli.scoring runs layer by layer
+
+
+def unreplayable(model) -> str | None:
+    """Why the engine cannot roll out and replay `model`, or None when it can.
+
+    The engine serves decoder-only models whose backbone has the usual layout (`DECODER_LAYOUT`: the learner
+    runs the layers one by one to share a prompt between its samples) and whose every layer attends to all
+    earlier positions through transformers' attention interface: Llama, Qwen2 and Qwen3 (tested with tiny
+    random configs). A sliding window or alternating local/global layers (Mistral, Gemma 2/3, Qwen2 with
+    `use_sliding_window`) would need the window in the shadow mask, which it does not encode."""
+    config = model.config
+    backbone = getattr(model, "base_model", None)
+    missing = [name for name in DECODER_LAYOUT if not hasattr(backbone, name)]
+    if missing:
+        return (f"its backbone ({type(backbone).__name__}) lacks {', '.join(missing)} of the decoder layout the learner "
+                f"replays layer by layer ({', '.join(DECODER_LAYOUT)})")
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
+    window = getattr(config, "sliding_window", None)
+    if kinds or (window and getattr(config, "use_sliding_window", True) and not getattr(config, "layer_types", None)):
+        what = f"layer types {kinds}" if kinds else f"sliding_window={window}"
+        return (f"it has sliding-window or alternating attention ({what}); the shadow mask encodes evictions of full causal "
+                "attention only (Llama, Qwen2 and Qwen3 without a sliding window are supported)")
+    if not all(hasattr(config, key) for key in ("num_hidden_layers", "num_key_value_heads", "num_attention_heads")):
+        return "its config does not name num_hidden_layers, num_attention_heads and num_key_value_heads"
+    return None
+
+
 def enable_checkpointing(model) -> None:
     """Gradient (activation) checkpointing of every decoder layer, non-reentrant: a layer's activations are
     recomputed during backward, with the same keyword arguments, hence the same (shadow) attention."""

@@ -24,15 +24,15 @@ from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
-from smd_cli import distributed, integrity, models
+from smd_cli import distributed, integrity, models, weights
 from smd_cli.attention import use_smd_attention
 from smd_cli.corrections.base import Correction
-from smd_cli.io import replace_dir_atomic, seed_everything, write_provenance
+from smd_cli.io import replace_dir_atomic, seed_everything, write_json, write_provenance
 from smd_cli.tasks.loading import PromptTooLong
 from smd_cli.warmstart import warm_start
 
 ROOT = Path(__file__).resolve().parents[2]
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")  # float64: parity against rounding (CPU)
 console = Console(width=None if sys.stdout.isatty() else 140)  # logs and pipes: tables 140 columns wide, not 80
 
 
@@ -227,10 +227,33 @@ def check_prompts(task, examples: list[dict], tokenizer) -> None:
         encode_prompt(task, example, tokenizer)
 
 
+def model_source(cfg: DictConfig) -> tuple[str | None, weights.Weights]:
+    """What `cfg.model` loads (a directory or Hub id; None builds the tiny or random architecture) and which
+    weights those are: a model with `model.gguf` falls back to the dequantised GGUF when the Hub is out of reach
+    (`smd_cli.weights`). Resolved once per process."""
+    m = cfg.model
+    if m.name_or_path is None:
+        kind = "random" if m.get("name") != "tiny" else "tiny"
+        return None, weights.Weights(kind, str(m.get("name")), "random init" + (", warm-started" if m.get("warmstart") else ""))
+    gguf = to_dict(m.gguf) if m.get("gguf") else None
+    source = m.get("source", "auto")
+    check(source in weights.SOURCES, "model.source", source, "auto (the Hub when reachable or cached, else model.gguf), hub or gguf")
+    key = (str(m.name_or_path), json.dumps(gguf, sort_keys=True), str(cfg.cache_dir), source)
+    if key not in _SOURCES:
+        try:
+            _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cfg.cache_dir, source, progress=cfg.get("progress", True))
+        except (weights.WeightsUnavailable, ValueError) as err:
+            raise ConfigError(f"model={m.get('name')} (model.name_or_path={m.name_or_path!r}): {err}") from err
+    return _SOURCES[key]
+
+
+_SOURCES: dict[tuple, tuple] = {}
+
+
 def load_tokenizer(cfg: DictConfig):
     """The tokenizer of `cfg.model` alone: the project's own for the tiny scale, else the checkpoint's."""
     m = cfg.model
-    source = m.tokenizer or m.name_or_path
+    source = m.tokenizer or model_source(cfg)[0]
     if source is None:
         return models.build_tiny_tokenizer()
     try:
@@ -268,10 +291,13 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
         if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
+        path, _ = model_source(cfg)
         try:
-            model = models.load_hub_model(m.name_or_path, name, m.trust_remote_code, m.random_init, dict(m.config or {}))
+            model = models.load_hub_model(path, name, m.trust_remote_code, m.random_init, dict(m.config or {}))
         except OSError as err:
             raise ConfigError(f"model.name_or_path={m.name_or_path!r}: could not load it ({err})") from err
+    check_replayable(model, m.get("name"))
+    mark_weights(model, model_source(cfg)[1])
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"model={m.name}: its vocabulary ({model.config.vocab_size}) is smaller than the tokenizer's "
                           f"{len(tokenizer)} ids; set model.config.vocab_size or model.tokenizer")
@@ -337,3 +363,35 @@ def _cached_warm_start(cfg: DictConfig, model, tokenizer, task, progress: bool, 
     console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}", soft_wrap=True)
     console.print(f"warm start cached at {path}", soft_wrap=True)
     return model
+
+
+def check_replayable(model, name) -> None:
+    """A config error naming the architecture when the engine cannot roll out and replay it (`models.unreplayable`)."""
+    reason = models.unreplayable(model)
+    if reason:
+        arch = ", ".join(getattr(model.config, "architectures", None) or [type(model).__name__])
+        raise ConfigError(f"model={name} ({arch}, model_type {model.config.model_type!r}) is not supported: {reason}")
+
+
+def mark_weights(model, source: weights.Weights) -> None:
+    """Record which weights `model` holds in its config (`smd_weights`), so that checkpoints trained from it say so
+    too; a directory whose config already names its origin (a checkpoint) keeps that origin."""
+    origin = getattr(model.config, "smd_weights", None)
+    if source.source == "local" and isinstance(origin, dict) and origin.get("label"):
+        source = weights.Weights("local", source.name, f"trained from {origin['label']}", origin.get("sha256"))
+    model.config.smd_weights = source.to_dict()
+
+
+def weights_label(model) -> str:
+    """The one-line description of the weights `model` holds (`mark_weights`)."""
+    return (getattr(model.config, "smd_weights", None) or {}).get("label", "unknown")
+
+
+def record_weights(run_dir: Path, model, summary: dict | None = None) -> None:
+    """Add which weights ran to the run's `provenance.json` (rank 0) and, given one, to a summary (`model/weights`)."""
+    record = getattr(model.config, "smd_weights", None) or {"label": "unknown"}
+    if summary is not None:
+        summary["model/weights"] = record["label"]
+    path = Path(run_dir) / "provenance.json"
+    if distributed.is_main() and path.is_file():
+        write_json(path, {**json.loads(path.read_text()), "weights": record})

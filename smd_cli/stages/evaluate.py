@@ -19,12 +19,12 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from smd_cli import distributed, integrity, models
+from smd_cli import distributed, integrity, models, weights
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_prompts, compute_dtype, console, load_examples,
-                                  load_model, load_tokenizer, print_metrics, start_run)
+from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_prompts, check_replayable, compute_dtype, console,
+                                  load_examples, load_model, load_tokenizer, mark_weights, print_metrics, record_weights, start_run)
 from smd_cli.stages.rules import check_config
 
 
@@ -147,6 +147,8 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
                           + ("" if signed else "; it has no MANIFEST.json (not written by smd train), so nothing could "
                              "check it before loading")) from None
+    check_replayable(model, m.get("name"))
+    mark_weights(model, weights.Weights("local", str(path), "checkpoint dtype"))
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "
                           f"tokenizer's {len(tokenizer)} ids; set model=... (or model.tokenizer=...) to the one it was trained with")
@@ -179,6 +181,7 @@ def run(cfg: DictConfig) -> dict:
                     "task": task.name, "split": split, "model": model_name, "checkpoint": cfg.checkpoint,
                     "eviction": "none" if policy is None else type(policy).__name__,
                     "compression": None if policy is None else float(cfg.compression), "temperature": float(e.temperature)})
+    record_weights(run_.dir, model, summary)
     if distributed.is_main():  # under torchrun every rank evaluated a share; rank 0 holds all the rows and writes
         write_jsonl(run_.dir / "predictions.jsonl", rows)
         write_json(run_.dir / "summary.json", summary)
@@ -196,3 +199,4 @@ def print_summary(summary: dict, run_dir) -> None:
                   ("n", "response_tokens_mean", "finished_fraction", "kv/bytes_peak", "kv/bytes_peak_dense",
                    "memory/peak_allocated_bytes", "memory/peak_rss_bytes", "tokens_per_second", "seconds"), tuple(rows))
     console.print(f"eviction={summary['eviction']} compression={summary['compression']} temperature={summary['temperature']}")
+    console.print(f"weights: {summary.get('model/weights', 'unknown')}", soft_wrap=True)

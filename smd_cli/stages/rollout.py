@@ -14,12 +14,14 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
+from smd_cli.evaluation import evidence_kept
 from smd_cli.io import write_json, write_jsonl
 from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.stages.common import build_policy, build_task, console, encode_prompt, load_examples, load_model, print_metrics, start_run
+from smd_cli.stages.common import (build_policy, build_task, console, encode_prompt, load_examples, load_model, print_metrics,
+                                  record_weights, start_run)
 from smd_cli.stages.rules import check_config
 
 
@@ -93,8 +95,10 @@ def run(cfg: DictConfig) -> dict:
     texts = response_texts(batch, tokenizer)
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
     summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical, cfg.model.replay), **batch.stats}
+    summary.update(evidence_kept(task, batch, examples, prompts))  # the answer-bearing KV kept, per layer (tasks that name it)
     summary.update({"reward/mean": sum(rewards) / len(rewards), "rollout/rows": len(prompts),
                     "rollout/prompt_length": batch.prompt_length, "kv/bytes_ratio": batch.stats["kv/bytes_peak"] / batch.stats["kv/bytes_peak_dense"]})
+    record_weights(run_.dir, model, summary)
     save_rollouts(run_.dir, batch, examples, rewards, texts, G)
     write_json(run_.dir / "summary.json", summary)
     print_summary(summary, run_.dir)
@@ -104,4 +108,8 @@ def run(cfg: DictConfig) -> dict:
 def print_summary(summary: dict, run_dir) -> None:
     print_metrics(f"smd rollout: {run_dir}", summary, (
         "parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
-        "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "reward/mean"))
+        "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "evidence/kept", "reward/mean"))
+    if "evidence/kept_l0" in summary:
+        layers = sorted((int(k.rsplit("_l", 1)[1]), v) for k, v in summary.items() if k.startswith("evidence/kept_l"))
+        console.print("answer-bearing KV kept per layer: " + " ".join(f"{v:.2f}" for _, v in layers), soft_wrap=True)
+    console.print(f"weights: {summary.get('model/weights', 'unknown')}", soft_wrap=True)

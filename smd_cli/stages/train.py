@@ -41,7 +41,8 @@ from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
 from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, check_prompts, console,
-                                  encode_prompt, load_examples, load_model, load_tokenizer, optimizer_factory, pick_device, start_run)
+                                  encode_prompt, load_examples, load_model, load_tokenizer, optimizer_factory, pick_device,
+                                  record_weights, start_run)
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
                                        stop_diverged)
@@ -277,6 +278,7 @@ def run(cfg: DictConfig) -> dict:
         save_final(run_dir, model, tokenizer, root)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps,
                     "steps_run": guard.rows[-1]["step"] if guard.rows else start, "status": "completed", "status_reason": guard.note()})
+    record_weights(run_dir, model, summary)
     with distributed.gathered(root):
         summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})

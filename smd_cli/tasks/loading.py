@@ -269,7 +269,7 @@ def prompt_records(task: Task, examples: list[Example], tokenizer) -> list[dict[
     before the chat template), its token count (chat template included), whether it was cut, the reference."""
     records = []
     for example in examples:
-        if isinstance(task, HubTask):
+        if hasattr(task, "fit_prompt"):  # the paper's datasets (cut to a budget), passkey (built to a length)
             text, ids = task.fit_prompt(example, tokenizer)
         else:
             text, ids = example["prompt"], task.encode_prompt(example, tokenizer)
