@@ -29,10 +29,10 @@ def test_the_config_tree_is_what_we_think():
     assert sorted(groups) == ["algo", "eviction", "model", "optim", "scale", "task"]
     assert sorted(groups["algo"]) == ["dense", "icepop", "mis", "naive_sparse", "smd", "sparse_rl", "tis", "trm"]
     assert sorted(groups["eviction"]) == ["h2o", "knorm", "none", "random", "recent", "snapkv"]
-    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "tldr", "vote"]
-    assert sorted(groups["model"]) == ["qwen3_4b", "qwen3_4b_random", "tiny"]
+    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "passkey", "tldr", "vote"]
+    assert sorted(groups["model"]) == ["hub", "qwen3_4b", "qwen3_4b_random", "smollm2_135m", "tiny"]
     assert sorted(groups["scale"]) == ["paper", "tiny"]
-    assert len(GROUP_FILES) == 28  # 8 algo + 6 eviction + 7 task + 3 model + 2 optim + 2 scale
+    assert len(GROUP_FILES) == 31  # 8 algo + 6 eviction + 8 task + 5 model + 2 optim + 2 scale
     assert RECIPES == ["ablate_compression", "ablate_lambda", "ablate_selection", "govreport", "gsm8k", "hotpotqa", "main_table",
                        "paper_ablate_compression", "paper_ablate_lambda", "paper_ablate_selection", "paper_main_table",
                        "tiny_naive_sparse", "tiny_smd", "tldr"]
