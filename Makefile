@@ -38,8 +38,8 @@ test-fast: install ## the suite without the slow end-to-end stage runs
 
 SCALE ?= tiny
 QUICK ?=
-reproduce: install ## the paper's tables and ablations, then results/reproduce/REPORT.md (SCALE=paper: GPU + Hub; QUICK=1: minutes)
-	$(if $(filter paper,$(SCALE)),HF_HUB_OFFLINE=$(or $(PAPER_HUB_OFFLINE),0)) $(BIN)/smd reproduce $(if $(filter paper,$(SCALE)),paper=true) $(if $(QUICK),quick=true) $(ARGS)
+reproduce: install ## the paper's tables and ablations, then results/reproduce/REPORT.md (SCALE=paper: GPU + Hub; SCALE=small: SmolLM2 RL on the CPU; QUICK=1: minutes)
+	$(if $(filter paper,$(SCALE)),HF_HUB_OFFLINE=$(or $(PAPER_HUB_OFFLINE),0)) $(BIN)/smd reproduce $(if $(filter paper,$(SCALE)),paper=true) $(if $(filter small,$(SCALE)),small=true) $(if $(QUICK),quick=true) $(ARGS)
 
 bench: install ## benchmarks: ratios measured side by side in one run (not gpu_check.sh: GPU; not algorithms_table.py: a report over runs; not kvpress_peer.py and real_model.py: make bench-kvpress, results/real_model_cpu.md)
 	@# the [bench] extra (TRL, for bench/peer_trl.py), never replacing the installed torch or transformers

@@ -51,7 +51,8 @@ HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
 def validate(cfg: DictConfig) -> str:
     """The scale ("tiny" or "paper"), after checking the options."""
     check_config(cfg, "reproduce")
-    scale = "paper" if cfg.paper else "tiny"
+    check(not (cfg.get("small") and cfg.paper), "small", cfg.get("small"), "false with paper=true (one scale at a time)")
+    scale = "paper" if cfg.paper else "small" if cfg.get("small") else "tiny"
     tables = cfg.sweeps[scale]
     check(cfg.only is None or set(cfg.only) <= set(tables), "only", cfg.only, f"null or a subset of [{', '.join(tables)}]")
     rule(cfg, scale)
@@ -72,7 +73,7 @@ def rule(cfg: DictConfig, scale: str) -> Sequential:
 def layout(cfg: DictConfig, scale: str) -> tuple[Path, Path]:
     """(root: the sweeps and their runs, out: the report)."""
     root = Path(cfg.root or ROOT / "runs" / "reproduce" / (scale + ("_quick" if cfg.quick else "")))
-    out = Path(cfg.out) if cfg.out else root / "report" if cfg.quick else ROOT / "results" / ("reproduce" if scale == "tiny" else "reproduce_paper")
+    out = Path(cfg.out) if cfg.out else root / "report" if cfg.quick else ROOT / "results" / ("reproduce" if scale == "tiny" else f"reproduce_{scale}")
     return root, out
 
 
@@ -211,7 +212,7 @@ def run(cfg: DictConfig) -> dict:
     bench = run_benchmarks(cfg, "quick" if cfg.quick else scale, root / "bench")
     bench["parity_check"] = run_parity(cfg, "quick" if cfg.quick else scale, root / "bench" / "check_parity")
     seconds = record_time(root, started, pending + added)
-    make = f"make reproduce{' SCALE=paper' if cfg.paper else ''}{' QUICK=1' if cfg.quick else ''}"
+    make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     header = {"scale": scale, "quick": cfg.quick, "command": f"{make} (smd reproduce)", "rerun": make,
               "commit": git_commit(ROOT), "versions": package_versions(), "wall_seconds": seconds,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "

@@ -1,0 +1,158 @@
+"""NVIDIA kvpress's eviction beside ours: the same model, the same passkey prompts (token ids), the same compression.
+
+Usage: make bench-kvpress [ARGS="--n 16 --compressions 0.5"]
+   or: python bench/kvpress_peer.py --kvpress-python .venv-kvpress/bin/python [--n 16] [--json OUT]
+
+kvpress 0.5.5 pins transformers < 5.3, so it runs in its own environment (`make bench-kvpress` builds
+`.venv-kvpress` with the same CPU torch as a constraint). This script runs our side in this environment (the smd
+rollout's `generate`, greedy, 12 new tokens, one policy at a time over the whole batch) and then itself in the
+kvpress environment (`--side kvpress`: no smd import), where each press compresses the prefill of one prompt at a
+time (`with press(model): model.generate(...)`, greedy). Both read the same dequantised SmolLM2 directory and the
+same prompt token ids (chat template, preamble, haystack, question: the whole prompt is compressed, question
+included, as our rollout does). Pairs: SnapKV (ours: window 16, 4 sinks kept; kvpress: window 64, no sinks, the
+window always kept), KNorm, random, StreamingLLM (kvpress `StreamingLLMPress`, 4 sinks) ~ our `recent`.
+Printed: exact-key accuracy, mean reward (digits in place) and the kept fraction of prompt KV entries per pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PAIRS = {  # ours (eviction option, fields) -> kvpress (press class, fields)
+    "snapkv": (("snapkv", {}), ("SnapKVPress", {})),
+    "snapkv_w16": (("snapkv", {}), ("SnapKVPress", {"window_size": 16})),
+    "snapkv_w64": (("snapkv", {"window": 64}), ("SnapKVPress", {"window_size": 64})),
+    "knorm": (("knorm", {}), ("KnormPress", {})),
+    "random": (("random", {}), ("RandomPress", {"seed": 0})),
+    "streaming": (("recent", {}), ("StreamingLLMPress", {"n_sink": 4})),
+}
+
+
+def kvpress_side(spec: dict) -> dict:
+    """In the kvpress environment: greedy completions and kept prompt entries per press and compression."""
+    import kvpress
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(spec["threads"])
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa").eval()
+    tokenizer = AutoTokenizer.from_pretrained(spec["model"])
+    out = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5", "rows": []}
+    import transformers
+
+    out["transformers"] = transformers.__version__
+    for pair in spec["pairs"]:
+        name, fields = PAIRS[pair][1]
+        for c in spec["compressions"]:
+            press = getattr(kvpress, name)(compression_ratio=c, **fields)
+            texts, kept = [], []
+            t0 = time.perf_counter()
+            for ids in spec["prompts"]:
+                input_ids = torch.tensor([ids])
+                with torch.no_grad(), press(model):
+                    gen = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=spec["max_new_tokens"],
+                                         do_sample=False, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
+                new = gen.sequences[0, len(ids):]
+                cache_len = gen.past_key_values.layers[0].keys.shape[2]
+                kept.append((cache_len - (len(new) - 1)) / len(ids))  # the last generated token is never fed
+                texts.append(tokenizer.decode(new, skip_special_tokens=True))
+            out["rows"].append({"pair": pair, "compression": c, "texts": texts, "kept_prompt_fraction": sum(kept) / len(kept),
+                                "seconds": time.perf_counter() - t0})
+            print(json.dumps({k: v for k, v in out["rows"][-1].items() if k != "texts"}), flush=True)
+    return out
+
+
+def our_side(args) -> tuple[dict, dict]:
+    """In this environment: the prompts, our completions and kept fractions, and the spec for the kvpress side."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from smd_cli.cli import CONF_DIR
+    from smd_cli.rollout import generate, response_texts
+    from smd_cli.stages.common import build_policy, build_task, load_model, model_source, weights_label
+
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=["model=smollm2_135m", "task=passkey", "device=cpu", "progress=false", "threads=2",
+                                                     f"task.prompt_tokens={args.tokens}", f"+run_dir={tmp}"])
+        torch.set_num_threads(cfg.threads)
+        task = build_task(cfg)
+        model, tokenizer = load_model(cfg, task, torch.device("cpu"))
+        path = model_source(cfg)[0]
+        examples = task.examples("test", args.n)
+        prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+        rows = []
+        for pair in args.pairs:
+            (option, fields), _ = PAIRS[pair]
+            for c in args.compressions:
+                node = cfg.copy()
+                node.compression = c
+                policy = build_policy(node, option)
+                for key, value in fields.items():
+                    setattr(policy, key, value)
+                t0 = time.perf_counter()
+                batch = generate(model, prompts, policy=policy, max_new_tokens=task.max_new_tokens, temperature=0.0,
+                                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+                kept = policy.budget(torch.tensor([len(p) for p in prompts])).float() / torch.tensor([len(p) for p in prompts])
+                rows.append({"pair": pair, "compression": c, "texts": response_texts(batch, tokenizer),
+                             "kept_prompt_fraction": float(kept.mean()), "seconds": time.perf_counter() - t0})
+                print(json.dumps({k: v for k, v in rows[-1].items() if k != "texts"}), flush=True)
+        spec = {"model": path, "prompts": prompts, "pairs": args.pairs, "compressions": args.compressions,
+                "max_new_tokens": task.max_new_tokens, "threads": cfg.threads}
+        return {"weights": weights_label(model), "rows": rows, "examples": examples}, spec
+
+
+def score(task_rows: list[dict], examples: list[dict]) -> list[dict]:
+    from smd_cli.tasks.passkey import Passkey
+
+    out = []
+    for row in task_rows:
+        rewards = [Passkey.reward(None, text, e) for text, e in zip(row["texts"], examples)]
+        out.append({**row, "exact": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
+                    "exact_ids": [i for i, r in enumerate(rewards) if r == 1.0]})
+    return out
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--side", choices=["ours", "kvpress"], default="ours")
+    parser.add_argument("--spec", type=Path, help="(kvpress side) the prompts and settings written by our side")
+    parser.add_argument("--out", type=Path, help="(kvpress side) where to write its completions")
+    parser.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
+    parser.add_argument("--n", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=160, help="haystack tokens (160: ~227-token prompts)")
+    parser.add_argument("--pairs", type=lambda s: s.split(","), default=["snapkv", "snapkv_w16", "snapkv_w64", "knorm", "random", "streaming"])
+    parser.add_argument("--compressions", type=lambda s: [float(x) for x in s.split(",")], default=[0.5])
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.side == "kvpress":
+        args.out.write_text(json.dumps(kvpress_side(json.loads(args.spec.read_text()))))
+        return
+    ours, spec = our_side(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "kvpress.json"
+        spec_path.write_text(json.dumps(spec))
+        subprocess.run([args.kvpress_python, __file__, "--side", "kvpress", "--spec", str(spec_path), "--out", str(out_path)], check=True)
+        theirs = json.loads(out_path.read_text())
+    mine, peer = score(ours["rows"], ours["examples"]), score(theirs["rows"], ours["examples"])
+    print(f"\nweights: {ours['weights']}; kvpress {theirs['kvpress']} on transformers {theirs['transformers']}; {args.n} prompts, "
+          f"haystack {args.tokens} tokens, greedy")
+    print("| pair | c | ours: exact | kvpress: exact | ours: reward | kvpress: reward | ours: kept | kvpress: kept | both exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for a, b in zip(mine, peer):
+        both = len(set(a["exact_ids"]) & set(b["exact_ids"]))
+        print(f"| {a['pair']} | {a['compression']} | {a['exact']:.3f} | {b['exact']:.3f} | {a['reward']:.3f} | {b['reward']:.3f} | "
+              f"{a['kept_prompt_fraction']:.3f} | {b['kept_prompt_fraction']:.3f} | {both} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"weights": ours["weights"], "kvpress": theirs.get("kvpress"), "transformers_kvpress": theirs["transformers"],
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "ours": mine, "kvpress_rows": peer}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,154 @@
+"""SmolLM2-135M-Instruct (model=smollm2_135m) on passkey retrieval: what eviction does to a real model, measured.
+
+Usage: python bench/real_model.py PART [--n N] [--json OUT]     (results/real_model_cpu.md holds the numbers)
+
+  dense        greedy passkey accuracy with a dense cache against haystack length (the model's own ceiling)
+  compression  greedy accuracy for every eviction policy at c = 0.3, 0.5, 0.7, 0.9 at one length (`--tokens`), with
+               the key's retention per layer (the fraction of (key token, KV head) entries kept, per layer)
+  parity       sampled rollouts (T = 1) per policy and compression: the shadow replay's and the physical learner's
+               |log p - log p_sampler| (parity), and the dense learner's (the mismatch naive sparse trains on: mean, k3,
+               largest); with --float64 the same rollouts in float64 (model and replay), which separates float32
+               rounding (gone in float64) from a mask error (which would stay)
+
+The model is loaded once through `load_model` (the dequantised Q4_1 GGUF when the Hub is out of reach: every table
+says which weights ran). Prompts: the task's test split, each with its own depth drawn from (seed, index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from smd_cli.cli import CONF_DIR
+from smd_cli.evaluation import evaluate, evidence_kept
+from smd_cli.rollout import generate, response_texts
+from smd_cli.stages.common import build_policy, build_task, load_model, weights_label
+from smd_cli.stages.rollout import parity_report
+
+POLICIES = ["snapkv", "h2o", "recent", "random", "knorm"]
+COMPRESSIONS = [0.3, 0.5, 0.7, 0.9]
+
+
+def setup(tmp: str, *overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="eval", overrides=["model=smollm2_135m", "task=passkey", "device=cpu", "progress=false", "threads=2",
+                                                     f"+run_dir={tmp}", *overrides])
+    torch.set_num_threads(cfg.threads)
+    task = build_task(cfg)
+    model, tokenizer = load_model(cfg, task, torch.device("cpu"))
+    return cfg, task, model, tokenizer
+
+
+def policy(cfg, name: str, compression: float, **fields):
+    node = cfg.copy()
+    node.compression = compression
+    out = build_policy(node, name)
+    for key, value in fields.items():
+        setattr(out, key, value)
+    return out
+
+
+def accuracy(rows) -> dict:
+    return {"exact": sum(r["reward"] == 1.0 for r in rows) / len(rows), "reward": sum(r["reward"] for r in rows) / len(rows), "n": len(rows)}
+
+
+def part_dense(cfg, task, model, tokenizer, args) -> list[dict]:
+    out = []
+    for tokens in args.lengths:
+        task.prompt_tokens = tokens
+        examples = task.examples("test", args.n)
+        t0 = time.perf_counter()
+        rows, _ = evaluate(model, tokenizer, task, examples, max_new_tokens=task.max_new_tokens, batch_size=args.batch, progress=False)
+        out.append({"haystack_tokens": tokens, "prompt_tokens_mean": sum(r["prompt_tokens"] for r in rows) / len(rows),
+                    **accuracy(rows), "seconds": time.perf_counter() - t0, "wrong": [r["completion"] for r in rows if r["reward"] < 1][:4]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def part_compression(cfg, task, model, tokenizer, args) -> list[dict]:
+    task.prompt_tokens = args.tokens
+    examples = task.examples("test", args.n)
+    out = []
+    for name in args.policies:
+        for c in args.compressions:
+            t0 = time.perf_counter()
+            rows, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=task.max_new_tokens, batch_size=args.batch,
+                                     policy=policy(cfg, name, c, **_fields(args)), progress=False)
+            layers = [summary[f"evidence/kept_l{layer}"] for layer in range(model.config.num_hidden_layers)]
+            out.append({"policy": name, "compression": c, **accuracy(rows), "key_kept_mean": summary["evidence/kept"], "key_kept_per_layer": layers,
+                        "prompt_tokens_mean": sum(r["prompt_tokens"] for r in rows) / len(rows), "seconds": time.perf_counter() - t0,
+                        "completions": [r["completion"] for r in rows]})
+            print(json.dumps({k: v for k, v in out[-1].items() if k not in ("key_kept_per_layer", "completions")}), flush=True)
+    return out
+
+
+def _fields(args) -> dict:
+    return {"window": args.window} if args.window else {}
+
+
+def part_parity(cfg, task, model, tokenizer, args) -> list[dict]:
+    task.prompt_tokens = args.tokens
+    examples = [e for e in task.examples("test", args.n) for _ in range(args.group)]
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    out = []
+    dtypes = [torch.float32] + ([torch.float64] if args.float64 else [])
+    for dtype in dtypes:
+        scored = model if dtype == torch.float32 else _copy(model, dtype)
+        for name in args.policies:
+            for c in (args.compressions if dtype == torch.float32 else [0.5]):
+                t0 = time.perf_counter()
+                batch = generate(scored, prompts, policy=policy(cfg, name, c, **_fields(args)), max_new_tokens=task.max_new_tokens, temperature=1.0,
+                                 generator=torch.Generator().manual_seed(args.seed), eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+                report = parity_report(scored, batch, 1.0, physical=args.physical)
+                rewards = [task.reward(t, e) for t, e in zip(response_texts(batch, tokenizer), examples)]
+                out.append({"dtype": str(dtype).removeprefix("torch."), "policy": name, "compression": c, **report,
+                            "kv/kept_fraction": batch.stats["kv/kept_fraction"], "key_kept": evidence_kept(task, batch, examples, prompts).get("evidence/kept"),
+                            "reward": sum(rewards) / len(rewards), "tokens": int(batch.response_mask.sum()), "seconds": time.perf_counter() - t0})
+                print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def _copy(model, dtype):
+    import copy
+
+    return copy.deepcopy(model).to(dtype)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=["dense", "compression", "parity"])
+    parser.add_argument("--n", type=int, default=16, help="prompts")
+    parser.add_argument("--group", type=int, default=2, help="parity: samples per prompt")
+    parser.add_argument("--tokens", type=int, default=160, help="haystack tokens (compression, parity); 160 gives ~227-token prompts")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 256, 512, 1024, 2048])
+    parser.add_argument("--policies", type=lambda s: s.split(","), default=POLICIES)
+    parser.add_argument("--compressions", type=lambda s: [float(x) for x in s.split(",")], default=COMPRESSIONS)
+    parser.add_argument("--window", type=int, default=None, help="override every policy's protected recent window")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--float64", action="store_true", help="parity: also replay at c = 0.5 in float64")
+    parser.add_argument("--physical", action="store_true", help="parity: also the physical-eviction learner")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, task, model, tokenizer = setup(tmp)
+        started = time.perf_counter()
+        rows = {"dense": part_dense, "compression": part_compression, "parity": part_parity}[args.part](cfg, task, model, tokenizer, args)
+    result = {"part": args.part, "weights": weights_label(model), "args": {k: v for k, v in vars(args).items() if k != "json"},
+              "torch_threads": torch.get_num_threads(), "seconds": time.perf_counter() - started, "rows": rows}
+    print(f"weights: {result['weights']}; {result['seconds']:.0f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
