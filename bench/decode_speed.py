@@ -93,13 +93,20 @@ def _methods(model, hf_model, prompts, new: int, greedy: bool, device: torch.dev
 
 
 def measure(device="cpu", shape: dict | None = None, dtype=torch.float32, rows: int = 16, prompt: int = 256, new: int = 64,
-            repeats: int = 5, greedy: bool = False, compile: str | bool = "auto", seed: int = 0, group: int = 1) -> dict:
+            repeats: int = 5, greedy: bool = False, compile: str | bool = "auto", seed: int = 0, group: int = 1, model_name: str | None = None) -> dict:
     """Median tokens per second of each method over `repeats` interleaved rounds (after one warm-up round);
-    `group` > 1: the rows are `group` samples of each prompt, as GRPO's rollout (and TRL's) gives them."""
+    `group` > 1: the rows are `group` samples of each prompt, as GRPO's rollout (and TRL's) gives them. `model_name`
+    (e.g. smollm2_135m): a model config of conf/model/ loaded as the stages load it, instead of random widths."""
     device = torch.device(device)
-    shape = dict(CPU_SHAPE if device.type == "cpu" else CUDA_SHAPE) if shape is None else dict(shape)
-    vocab = shape.pop("vocab_size", VOCAB)
-    model = build_tiny_model(vocab, seed=seed, dtype=dtype, device=device, **shape).eval()
+    weights = None
+    if model_name is not None:
+        model, vocab, weights = load_named(model_name, str(dtype).removeprefix("torch."))
+        model = model.to(device)
+        shape = {"model": model_name, "layers": model.config.num_hidden_layers, "hidden_size": model.config.hidden_size}
+    else:
+        shape = dict(CPU_SHAPE if device.type == "cpu" else CUDA_SHAPE) if shape is None else dict(shape)
+        vocab = shape.pop("vocab_size", VOCAB)
+        model = build_tiny_model(vocab, seed=seed, dtype=dtype, device=device, **shape).eval()
     hf_model = copy.deepcopy(model)  # same weights; transformers' own attention for its own generate
     hf_model.config._attn_implementation = "sdpa"
     hf_model.generation_config.top_k = None
@@ -132,7 +139,7 @@ def measure(device="cpu", shape: dict | None = None, dtype=torch.float32, rows: 
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "dtype": str(dtype).removeprefix("torch."),
         "shape": {**shape, "vocab_size": vocab}, "rows": rows, "group": group, "prompt": prompt, "new_tokens": new, "repeats": repeats,
-        "sampling": "greedy" if greedy else "temperature 1", "compile": compile, "methods": table,
+        "sampling": "greedy" if greedy else "temperature 1", "compile": compile, "methods": table, "weights": weights,
     }
 
 
@@ -172,10 +179,29 @@ def graph_check(device="cuda", shape: dict | None = None, dtype=torch.float32, r
     return out
 
 
+def load_named(name: str, dtype: str = "float32"):
+    """(model, vocabulary size) of the model config `name` (e.g. smollm2_135m: the real SmolLM2-135M-Instruct, the
+    dequantised GGUF offline), through the stages' own `load_model`; and which weights those are."""
+    import tempfile
+
+    from hydra import compose, initialize_config_dir
+
+    from smd_cli.cli import CONF_DIR
+    from smd_cli.stages.common import build_task, load_model, weights_label
+
+    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="rollout", overrides=[f"model={name}", f"model.dtype={dtype}", "task=passkey", "device=cpu", "progress=false",
+                                                        "threads=null", f"+run_dir={tmp}"])
+        model, tokenizer = load_model(cfg, build_task(cfg), torch.device("cpu"))
+    return model.eval(), model.config.vocab_size, weights_label(model)
+
+
 def format_table(report: dict) -> str:
     title = (f"decode speed on {report['device']} ({report['threads']} thread(s), {report['dtype']}): {report['rows']} rows "
              f"({report.get('group', 1)} per prompt), "
              f"P = {report['prompt']}, {report['new_tokens']} new tokens, {report['sampling']}, median of {report['repeats']}")
+    if report.get("weights"):
+        title += f"\nmodel: {report['weights']}"
     lines = [title, f"{'method':<16} {'tokens/s':>10} {'x hf static':>12} {'best tokens/s':>14} {'x hf static':>12}"]
     for name, row in report["methods"].items():
         lines.append(f"{name:<16} {row['tokens_per_second']:>10.0f} {row['ratio_to_hf_static']:>12.2f} "
@@ -186,6 +212,7 @@ def format_table(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="a model config (conf/model/NAME.yaml), e.g. smollm2_135m; default: random widths")
     parser.add_argument("--rows", type=int)
     parser.add_argument("--prompt", type=int)
     parser.add_argument("--new", type=int)
@@ -201,7 +228,8 @@ def main() -> None:
     cuda = device.type == "cuda"
     report = measure(device, dtype=torch.bfloat16 if cuda else torch.float32, rows=args.rows or (64 if cuda else 16),
                      prompt=args.prompt or (512 if cuda else 256), new=args.new or (128 if cuda else 64), repeats=args.repeats,
-                     greedy=args.greedy, compile={"true": True, "false": False}.get(args.compile, "auto"), group=args.group)
+                     greedy=args.greedy, compile={"true": True, "false": False}.get(args.compile, "auto"), group=args.group,
+                     model_name=args.model)
     report["command"] = " ".join(["python", "bench/decode_speed.py", *sys.argv[1:]])
     print(format_table(report))
     if cuda:

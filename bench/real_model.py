@@ -5,6 +5,8 @@ Usage: python bench/real_model.py PART [--n N] [--json OUT]     (results/real_mo
   dense        greedy passkey accuracy with a dense cache against haystack length (the model's own ceiling)
   compression  greedy accuracy for every eviction policy at c = 0.3, 0.5, 0.7, 0.9 at one length (`--tokens`), with
                the key's retention per layer (the fraction of (key token, KV head) entries kept, per layer)
+  digits       why SnapKV loses keys: greedy accuracy and the retention of each digit of the key (first copy, second
+               copy; over layers and KV heads) for SnapKV variants (window, pooling kernel) and Recent at c = 0.5
   parity       sampled rollouts (T = 1) per policy and compression: the shadow replay's and the physical learner's
                |log p - log p_sampler| (parity), and the dense learner's (the mismatch naive sparse trains on: mean, k3,
                largest); with --float64 the same rollouts in float64 (model and replay), which separates float32
@@ -89,6 +91,39 @@ def part_compression(cfg, task, model, tokenizer, args) -> list[dict]:
     return out
 
 
+VARIANTS = {  # name -> (eviction option, fields)
+    "snapkv w16 k5 (ours)": ("snapkv", {}),
+    "snapkv w16 k1 (no pooling)": ("snapkv", {"kernel": 1}),
+    "snapkv w16 k9": ("snapkv", {"kernel": 9}),
+    "snapkv w64 k5 (kvpress's window)": ("snapkv", {"window": 64}),
+    "snapkv w32 k7": ("snapkv", {"window": 32, "kernel": 7}),
+    "recent": ("recent", {}),
+}
+
+
+def part_digits(cfg, task, model, tokenizer, args) -> list[dict]:
+    task.prompt_tokens = args.tokens
+    examples = task.examples("test", args.n)
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    out = []
+    for name, (option, fields) in VARIANTS.items():
+        c = args.compressions[0]
+        batch = generate(model, prompts, policy=policy(cfg, option, c, **fields), max_new_tokens=task.max_new_tokens, temperature=0.0,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+        rewards = [task.reward(t, e) for t, e in zip(response_texts(batch, tokenizer), examples)]
+        P, width = batch.prompt_length, batch.evict_at.shape[-1]
+        per_digit = torch.zeros(2, task.key_digits)  # [copy, digit]
+        for row, (e, ids) in enumerate(zip(examples, prompts)):
+            columns = [P - len(ids) + q for q in task.evidence_positions(e, ids)]
+            kept = (batch.evict_at[row][..., columns] >= width).float().mean(dim=(0, 1))  # [2 * digits], over layers and KV heads
+            per_digit += kept.view(2, task.key_digits) / len(examples)
+        out.append({"variant": name, "compression": c, "exact": sum(r == 1.0 for r in rewards) / len(rewards), "reward": sum(rewards) / len(rewards),
+                    "digit_kept_first_copy": per_digit[0].tolist(), "digit_kept_second_copy": per_digit[1].tolist(),
+                    "completions": response_texts(batch, tokenizer)})
+        print(json.dumps({k: v for k, v in out[-1].items() if k != "completions"}), flush=True)
+    return out
+
+
 def _fields(args) -> dict:
     return {"window": args.window} if args.window else {}
 
@@ -124,7 +159,7 @@ def _copy(model, dtype):
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["dense", "compression", "parity"])
+    parser.add_argument("part", choices=["dense", "compression", "digits", "parity"])
     parser.add_argument("--n", type=int, default=16, help="prompts")
     parser.add_argument("--group", type=int, default=2, help="parity: samples per prompt")
     parser.add_argument("--tokens", type=int, default=160, help="haystack tokens (compression, parity); 160 gives ~227-token prompts")
@@ -141,7 +176,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg, task, model, tokenizer = setup(tmp)
         started = time.perf_counter()
-        rows = {"dense": part_dense, "compression": part_compression, "parity": part_parity}[args.part](cfg, task, model, tokenizer, args)
+        rows = {"dense": part_dense, "compression": part_compression, "digits": part_digits, "parity": part_parity}[args.part](cfg, task, model, tokenizer, args)
     result = {"part": args.part, "weights": weights_label(model), "args": {k: v for k, v in vars(args).items() if k != "json"},
               "torch_threads": torch.get_num_threads(), "seconds": time.perf_counter() - started, "rows": rows}
     print(f"weights: {result['weights']}; {result['seconds']:.0f} s")
