@@ -142,10 +142,13 @@ def _setup(sweep: Sweep) -> list[str]:
         return ["No run finished: nothing to report."]
     cfg = json.loads((run.dir / "config.json").read_text())
     g, m = cfg["grpo"], cfg["model"]
-    arch = m.get("config") or {}
+    arch = {**(m.get("architecture") or {}), **(m.get("config") or {})}  # a Hub model's published widths, or the built model's
     model = (f"{m['name']} ({arch.get('num_hidden_layers', '?')} layers, hidden {arch.get('hidden_size', '?')}, "
              f"{arch.get('num_attention_heads', '?')} heads / {arch.get('num_key_value_heads', '?')} KV heads)")
     warm = m.get("warmstart") or {}
+    summary = json.loads((run.dir / "summary.json").read_text()) if (run.dir / "summary.json").is_file() else {}
+    if summary.get("model/weights"):  # which weights ran (a dequantised GGUF is not the original checkpoint)
+        model += f", weights {summary['model/weights']}"
     return [
         "## Setup",
         f"Model {model}; {cfg['steps']} GRPO steps of {g['prompts_per_step']} prompts x {g['num_generations']} samples, "
