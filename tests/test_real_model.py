@@ -123,3 +123,17 @@ def test_two_smd_steps_on_the_real_model(real_model_cache, tmp_path):
     assert all(s["grad_norm"] > 0 for s in steps if "grad_norm" in s)
     saved = json.loads((tmp_path / "final" / "config.json").read_text())
     assert saved["smd_weights"]["source"] == "gguf"  # the checkpoint says which weights it was trained from
+
+
+def test_prepare_data_writes_passkey_prompts_at_their_token_length(real_model_cache, tmp_path, monkeypatch):
+    from smd_cli.stages import prepare_data
+
+    monkeypatch.setenv("SMD_CACHE_DIR", str(real_model_cache))  # prepare-data has no cache_dir key: the environment's
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="prepare_data", overrides=["model=smollm2_135m", "model.source=gguf", "task=passkey", "task.prompt_tokens=100",
+                                                              "limit=3", "splits=[test]", "progress=false", f"+run_dir={tmp_path}"])
+    summary = prepare_data.run(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and summary["splits"]["test"]["prompt_tokens"]["max"] == rows[0]["prompt_tokens"]
+    assert all(r["prompt_tokens"] == rows[0]["prompt_tokens"] for r in rows) and rows[0]["prompt_tokens"] > 100
+    assert all(r["reference"] in r["prompt"] and "depth" in r["meta"] for r in rows)

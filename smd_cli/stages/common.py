@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -238,10 +239,11 @@ def model_source(cfg: DictConfig) -> tuple[str | None, weights.Weights]:
     gguf = to_dict(m.gguf) if m.get("gguf") else None
     source = m.get("source", "auto")
     check(source in weights.SOURCES, "model.source", source, "auto (the Hub when reachable or cached, else model.gguf), hub or gguf")
-    key = (str(m.name_or_path), json.dumps(gguf, sort_keys=True), str(cfg.cache_dir), source)
+    cache_dir = cfg.get("cache_dir") or os.environ.get("SMD_CACHE_DIR", ".cache/smd")  # prepare-data and plan have no cache_dir key
+    key = (str(m.name_or_path), json.dumps(gguf, sort_keys=True), str(cache_dir), source)
     if key not in _SOURCES:
         try:
-            _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cfg.cache_dir, source, progress=cfg.get("progress", True))
+            _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cache_dir, source, progress=cfg.get("progress", True))
         except (weights.WeightsUnavailable, ValueError) as err:
             raise ConfigError(f"model={m.get('name')} (model.name_or_path={m.name_or_path!r}): {err}") from err
     return _SOURCES[key]
