@@ -7,6 +7,9 @@ Usage: python bench/real_model.py PART [--n N] [--json OUT]     (results/real_mo
                the key's retention per layer (the fraction of (key token, KV head) entries kept, per layer)
   digits       why SnapKV loses keys: greedy accuracy and the retention of each digit of the key (first copy, second
                copy; over layers and KV heads) for SnapKV variants (window, pooling kernel) and Recent at c = 0.5
+  float64      where parity's last 1e-5 comes from: float64 rollouts per policy at c = 0.5; the shadow replay's logits against
+               the physical-eviction learner's (an independent path: re-run the prefill, evict by slicing, teacher-force)
+               in float64, and the two float32 log-softmax formulas the sampler and the learner use, on the same logits
   parity       sampled rollouts (T = 1) per policy and compression: the shadow replay's and the physical learner's
                |log p - log p_sampler| (parity), and the dense learner's (the mismatch naive sparse trains on: mean, k3,
                largest); with --float64 the same rollouts in float64 (model and replay), which separates float32
@@ -151,6 +154,39 @@ def part_parity(cfg, task, model, tokenizer, args) -> list[dict]:
     return out
 
 
+def part_float64(cfg, task, model, tokenizer, args) -> list[dict]:
+    from smd_cli.physical import physical_response_logits
+    from smd_cli.scoring import response_hidden
+
+    task.prompt_tokens = args.tokens
+    examples = [e for e in task.examples("test", args.n) for _ in range(args.group)]
+    prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    double = _copy(model, torch.float64)
+    out = []
+    for name in args.policies:
+        batch = generate(double, prompts, policy=policy(cfg, name, 0.5), max_new_tokens=task.max_new_tokens, temperature=1.0,
+                         generator=torch.Generator().manual_seed(args.seed), eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False)
+        mask, tokens = batch.response_mask, batch.input_ids[:, batch.prompt_length:]
+        with torch.no_grad():
+            replay = double.get_output_embeddings()(response_hidden(double, batch.input_ids, batch.attention_mask, batch.prompt_length,
+                                                                    batch.evict_at))[mask]  # [n, V] float64
+            physical = physical_response_logits(double, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)[mask]
+        picked = tokens[mask][:, None]
+        logp64 = torch.log_softmax(replay, -1).gather(-1, picked).squeeze(-1)
+        l32 = replay.float()
+        sampler_formula = torch.log_softmax(l32, -1).gather(-1, picked).squeeze(-1)  # rollout.sample's
+        learner_formula = l32.gather(-1, picked).squeeze(-1) - torch.logsumexp(l32, -1)  # scoring.vocab_terms'
+        out.append({"policy": name, "tokens": int(mask.sum()),
+                    "logits_replay_vs_physical_max": float((replay - physical).abs().max()),
+                    "logp_float64_replay_vs_sampler_max": float((logp64 - batch.logprobs[mask].double()).abs().max()),
+                    "float32_formulas_max": float((sampler_formula - learner_formula).abs().max()),
+                    "float32_formulas_mean": float((sampler_formula - learner_formula).abs().mean()),
+                    "sampler_formula_vs_float64_max": float((sampler_formula.double() - logp64).abs().max())})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def _copy(model, dtype):
     import copy
 
@@ -159,7 +195,7 @@ def _copy(model, dtype):
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=["dense", "compression", "digits", "parity"])
+    parser.add_argument("part", choices=["dense", "compression", "digits", "float64", "parity"])
     parser.add_argument("--n", type=int, default=16, help="prompts")
     parser.add_argument("--group", type=int, default=2, help="parity: samples per prompt")
     parser.add_argument("--tokens", type=int, default=160, help="haystack tokens (compression, parity); 160 gives ~227-token prompts")
@@ -176,7 +212,7 @@ def main(argv: list[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         cfg, task, model, tokenizer = setup(tmp)
         started = time.perf_counter()
-        rows = {"dense": part_dense, "compression": part_compression, "digits": part_digits, "parity": part_parity}[args.part](cfg, task, model, tokenizer, args)
+        rows = {"dense": part_dense, "compression": part_compression, "digits": part_digits, "float64": part_float64, "parity": part_parity}[args.part](cfg, task, model, tokenizer, args)
     result = {"part": args.part, "weights": weights_label(model), "args": {k: v for k, v in vars(args).items() if k != "json"},
               "torch_threads": torch.get_num_threads(), "seconds": time.perf_counter() - started, "rows": rows}
     print(f"weights: {result['weights']}; {result['seconds']:.0f} s")
