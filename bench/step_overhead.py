@@ -47,6 +47,8 @@ def main(argv=None) -> dict:
     torch.set_num_threads(args.threads)
     weights = None
     if args.model:
+        from decode_speed import load_named  # bench/decode_speed.py, beside this script
+
         base, vocab, weights = load_named(args.model)
     else:
         vocab = len(build_tiny_tokenizer())
@@ -88,23 +90,6 @@ def main(argv=None) -> dict:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
     return result
-
-
-def load_named(name: str, dtype: str = "float32"):
-    """(model, vocabulary size) of the model config `name` (e.g. smollm2_135m: the real SmolLM2-135M-Instruct, the
-    dequantised GGUF offline), through the stages' own `load_model`; and which weights those are."""
-    import tempfile
-
-    from hydra import compose, initialize_config_dir
-
-    from smd_cli.cli import CONF_DIR
-    from smd_cli.stages.common import build_task, load_model, weights_label
-
-    with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="rollout", overrides=[f"model={name}", f"model.dtype={dtype}", "task=passkey", "device=cpu", "progress=false",
-                                                        "threads=null", f"+run_dir={tmp}"])
-        model, tokenizer = load_model(cfg, build_task(cfg), torch.device("cpu"))
-    return model.eval(), model.config.vocab_size, weights_label(model)
 
 
 if __name__ == "__main__":
