@@ -252,6 +252,7 @@ def _main_section(r: Report, sweep: Sweep, found: list[claims.Finding]) -> None:
     tasks = sweep.values("task") if "task" in sweep.keys else [None]
     for task in tasks:
         t = {"task": task} if task else {}
+        label = f"task {task}" if task else "the main table"
         r.text(f"### {'task ' + task if task else 'main table'}")
         r.table(f"main_{task or 'table'}", *tables.main_rows(sweep, t))
         header, rows = tables.correction_fractions(sweep, t)
@@ -260,16 +261,16 @@ def _main_section(r: Report, sweep: Sweep, found: list[claims.Finding]) -> None:
             r.table(f"corrections_{task or 'main'}", header, rows)
         header, rows, notes = tables.per_seed(sweep, t)
         if rows:
-            r.text(f"Per seed: the warm start of task {task} (held-out under eviction before any GRPO step, and the answer-bearing KV "
+            r.text(f"Per seed: the warm start of {label} (held-out under eviction before any GRPO step, and the answer-bearing KV "
                    "its eviction kept) beside each algorithm's held-out reward under eviction after training (the answer KV kept "
                    "then; † collapsed). Read across a row: what the seed's warm start keeps of the evidence under eviction, and "
                    "what each algorithm reaches from it.")
             r.table(f"seeds_{task or 'main'}", header, rows)
             r.text(*notes)
-            r.figure(figures.seeds_scatter(sweep, task, r.out), f"warm start against result per seed, {task}")
-        r.figure(figures.training_curves(sweep, task, r.out), f"training curves, {task}")
+            r.figure(figures.seeds_scatter(sweep, task, r.out), f"warm start against result per seed, {label}")
+        r.figure(figures.training_curves(sweep, task, r.out), f"training curves, {label}")
         if layers := _layers(sweep):
-            r.figure(figures.evidence_curves(sweep, task, layers, r.out), f"answer-bearing KV kept, {task}")
+            r.figure(figures.evidence_curves(sweep, task, layers, r.out), f"answer-bearing KV kept, {label}")
 
 
 def _layers(sweep: Sweep) -> int:
