@@ -13,6 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def smd(*args) -> int:
+    """`smd ARGS` run in this process (monkeypatches apply, capsys sees its output); its exit status."""
+    from smd_cli.cli import main
+
+    try:
+        main(list(args))
+    except SystemExit as done:
+        return done.code
+    return 0
+
+
 @pytest.fixture(autouse=True)
 def _release_run_locks():
     """Each test is its own "process" as far as run-directory locks go (the CLI releases them at a stage's end)."""

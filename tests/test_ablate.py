@@ -13,12 +13,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from smd_cli.cli import main, sweep_arguments
+from smd_cli.cli import sweep_arguments
 from smd_cli.stages import ablate as stage
 from smd_cli.stages import sweep
 from smd_cli.stages.common import ConfigError
 from smd_cli.stages.sweep import error_message, failure_reason, parse_sweep, sweep_of
 from smd_cli.sweep_tables import write_plot
+from tests.conftest import smd
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 TINY = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=4", "task.prompt_tokens=40",
@@ -71,11 +72,7 @@ def fake_train(tmp_path, monkeypatch):
 
 def ablate(tmp_path, *args, out: str = "ablate") -> int:
     """`smd ablate ARGS` in this process (so the fake train is used), writing to tmp_path/out; its exit status."""
-    try:
-        main(["ablate", "progress=false", f"hydra.run.dir={tmp_path / out}", *args])
-    except SystemExit as done:
-        return done.code
-    return 0
+    return smd("ablate", "progress=false", f"hydra.run.dir={tmp_path / out}", *args)
 
 
 def calls(root: Path) -> list[str]:

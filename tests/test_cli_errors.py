@@ -13,20 +13,12 @@ import pytest
 import torch
 
 from smd_cli import integrity
-from smd_cli.cli import main
 from smd_cli.stages import sweep
+from tests.conftest import smd
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=0", "task.prompt_tokens=48",
         "model.warmstart.steps=5", "progress=false"]
 GSM8K_ROW = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
-
-
-def smd(*args) -> int:
-    try:
-        main(list(args))
-    except SystemExit as done:
-        return done.code
-    return 0
 
 
 def said(capsys) -> str:

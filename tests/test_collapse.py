@@ -9,9 +9,9 @@ import json
 import pytest
 
 from smd_cli import collapse
-from smd_cli.cli import main
 from smd_cli.io import read_jsonl
 from smd_cli.stages import train
+from tests.conftest import smd
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",
         "model.warmstart.steps=5", "progress=false", "guard.collapse_steps=3", "checkpoint.every=1"]
@@ -86,11 +86,7 @@ def rewards(monkeypatch):
 
 
 def smd_train(run_dir, cache, *overrides) -> int:
-    try:
-        main(["train", *TINY, *overrides, f"hydra.run.dir={run_dir}", f"cache_dir={cache}"])
-    except SystemExit as done:
-        return done.code
-    return 0
+    return smd("train", *TINY, *overrides, f"hydra.run.dir={run_dir}", f"cache_dir={cache}")
 
 
 def summary(run_dir) -> dict:

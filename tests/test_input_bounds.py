@@ -11,23 +11,16 @@ import tracemalloc
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-import smd_cli.stages.evaluate  # noqa: F401  (imported before tracing: torch and transformers are not what is measured)
+import smd_cli.cli  # noqa: F401  (imported before tracing: torch, transformers and the CLI are not what is measured)
+import smd_cli.stages.evaluate  # noqa: F401
 import smd_cli.stages.prepare_data  # noqa: F401
-from smd_cli.cli import main
 from smd_cli.models import build_tiny_tokenizer
 from smd_cli.tasks.gsm8k import INSTRUCTION
 from smd_cli.tasks.loading import reach
+from tests.conftest import smd
 
 GSM8K_ROW = {"question": "What is 2 + 2?", "answer": "2 + 2 = 4\n#### 4"}
 MiB = 1 << 20
-
-
-def smd(*args) -> int:
-    try:
-        main(list(args))
-    except SystemExit as done:
-        return done.code
-    return 0
 
 
 def traced(*args) -> tuple[int, float, float]:
