@@ -160,11 +160,6 @@ def _trainable(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _counts(keep: torch.Tensor) -> tuple[float, float]:
-    """(tokens, sequences) kept in the whole data-parallel batch: the loss normalisers."""
-    return distributed.total(float(keep.sum())), distributed.total(float((keep.sum(1) > 0).sum()))
-
-
 def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None) -> dict[str, float]:
     """Update `model` on `batch` (N sequences) with per-sequence `advantages` [N]; returns metrics.
 
@@ -195,7 +190,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
         if ref_model is None:
             raise ValueError("grpo.beta > 0 needs a reference model")
         ref_logp = _logprobs(ref_model, batch, parts, algo, shadow=shadow)  # the learner's own view
-    total_tokens, total_seqs = _counts(keep)
+    total_tokens, total_seqs = correct.normalisers(keep)
     if old is not None and total_tokens == 0:
         return _skipped(metrics, sampler, mask, None if shadow else old)
 
@@ -217,7 +212,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 if old is None:  # this pass is pi_old; its corrections follow from it
                     weights[s], keep[s], stats = correct(view_logp[-1], sampler[s], mask[s])
                     if correct.batch_level:  # one micro-batch (s is the whole batch): the normaliser is known only now
-                        total_tokens, total_seqs = _counts(keep)
+                        total_tokens, total_seqs = correct.normalisers(keep)
                         if total_tokens == 0:
                             module.eval()
                             return _skipped({**metrics, **stats}, sampler, mask, view_logp[-1])

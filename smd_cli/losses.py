@@ -80,7 +80,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_toke
     """Reduce per-token values [N, R] to a scalar over this (micro-)batch, normalised for the full batch.
 
     token_mean: sum over all tokens / total tokens in the batch (TRL `bnpo`, verl `token-mean`).
-    seq_mean_token_mean: each sequence's token mean, summed / total sequences (TRL `grpo`, Sparse-RL)."""
+    seq_mean_token_mean: each sequence's token mean, summed / total sequences (TRL `grpo`, Sparse-RL); a sequence
+    with no token in `mask` adds 0, and whether it counts in `total_seqs` is the caller's (`Correction.normalisers`)."""
     mask = mask.to(per_token.dtype)
     if mode == "token_mean":
         return (per_token * mask).sum() / max(total_tokens, 1.0)
@@ -104,7 +105,8 @@ def sparse_rl_weights(
     `rho = exp(clamp(log pi_dense_old - log pi_sparse, -20, 20))`; weights `min(rho, cap)` divided by their
     mean over valid tokens of the batch (skipped when that mean <= 1e-8); tokens with rho outside
     [low, high] are rejected; a sequence with any raw rho < veto is dropped whole. Rejected tokens leave
-    the loss denominator too. Returns weights [N, R], the kept-token mask [N, R] (bool) and statistics."""
+    their sequence's token-mean denominator too; a sequence left with none still counts among the batch's
+    sequences (`SparseRL.dropped_sequences_count`). Returns weights [N, R], the kept-token mask [N, R] (bool) and statistics."""
     valid = mask.bool()
     rho = torch.exp(torch.clamp(logp_dense_old - logp_sparse, -20.0, 20.0))  # [N, R]
     weights = torch.clamp(rho, max=cap)

@@ -115,6 +115,39 @@ def test_each_correction_through_learner_step(tiny_model, tiny_tokenizer, micro_
         assert metrics["rollout_corr/masked_seq_frac"] == pytest.approx(seq_frac), name
 
 
+@pytest.mark.parametrize("micro_batch_size", [None, 3])
+def test_sparse_rl_counts_dropped_sequences_in_the_sequence_mean(tiny_model, tiny_tokenizer, micro_batch_size):
+    """`loss_agg=seq_mean_token_mean`: the official code (slime's `sum_of_sample_mean`, then `/ global_batch_size`)
+    divides the sum of the sequences' kept-token means by all N sequences; a vetoed sequence, or one whose every
+    token was rejected, adds 0 and still counts. TRM (verl's default) leaves its dropped sequences out."""
+    batch = dense_rollout(tiny_model, tiny_tokenizer)
+    rho = torch.ones(8, 5)
+    rho[0, 1] = 2.0            # one token rejected (above 1.5): sequence 0's mean is over its 4 others
+    rho[2, 0] = rho[5, 3] = 5e-5  # below the veto 1e-4: sequences 2 and 5 dropped whole (25 % of the batch)
+    rho[6] = 1.6               # every token of sequence 6 rejected
+    rho[4, 2] = 1.3            # inside [0.5, 1.5]: kept, weighted
+    capped = rho.clamp(max=1.5)
+    weights = capped / capped.mean()  # normalised to mean 1 over every real token of the batch
+    keep = ((rho >= 0.5) & (rho <= 1.5)).float()
+    keep[2] = keep[5] = 0.0
+    per_seq = (-ADVANTAGES[:, None] * weights * keep).sum(1) / keep.sum(1).clamp(min=1)  # ratio 1 at the first update
+    want = float(per_seq.sum() / 8)
+    with_ratios(tiny_model, batch, rho)
+    metrics = learner_step(tiny_model, torch.optim.SGD(tiny_model.parameters(), lr=0.0), batch, ADVANTAGES,
+                           Algorithm("sparse_rl", loss_agg="seq_mean_token_mean", micro_batch_size=micro_batch_size))
+    assert metrics["loss"] == pytest.approx(want, abs=1e-6) and abs(want) > 1e-2
+    assert float(per_seq.sum() / 5) / want == pytest.approx(1.6)  # what dividing by the 5 kept sequences gave
+    assert metrics["is/rejected_seq_frac"] == pytest.approx(2 / 8)
+    rho = torch.ones(8, 5)
+    rho[3, 0] = 12.0  # TRM: k2 = (log 12)^2 / 2 = 3.09 > 2.5, sequence 3 out, and out of the count
+    with_ratios(tiny_model, batch, rho)
+    keep = torch.ones(8, 5).index_fill(0, torch.tensor([3]), 0.0)
+    want = float((-ADVANTAGES[:, None] * keep).sum(1).div(5).sum() / 7)
+    metrics = learner_step(tiny_model, torch.optim.SGD(tiny_model.parameters(), lr=0.0), batch, ADVANTAGES,
+                           Algorithm("trm", loss_agg="seq_mean_token_mean", micro_batch_size=micro_batch_size))
+    assert metrics["loss"] == pytest.approx(want, abs=1e-6)
+
+
 def test_trm_rejecting_everything_skips_the_step(tiny_model, tiny_tokenizer):
     batch = with_ratios(tiny_model, dense_rollout(tiny_model, tiny_tokenizer), torch.full((8, 5), 20.0))
     before = [p.detach().clone() for p in tiny_model.parameters()]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from smd_cli.distributed import total
+
 
 class Correction:
     """Base class. `__call__(logp_old, logp_rollout, mask)`, all [N, R] (mask 1 on real tokens), returns
@@ -19,6 +21,16 @@ class Correction:
     # True when the weights or the kept tokens depend on the whole batch (a batch-mean normaliser, tokens that
     # leave the loss denominator): with several micro-batches, pi_old is then scored for the whole batch first.
     batch_level: bool = False
+    # How `loss_agg=seq_mean_token_mean` counts sequences. False (verl's default): only those with a kept token, a
+    # sequence dropped whole leaves the count. True (slime's division by the global batch size, which Sparse-RL
+    # runs on): every sequence of the batch, a dropped one adding 0 to the sum.
+    dropped_sequences_count: bool = False
+
+    def normalisers(self, keep: torch.Tensor) -> tuple[float, float]:
+        """(tokens, sequences) over the whole data-parallel batch, the loss normalisers: `keep`'s tokens, and the
+        sequences `dropped_sequences_count` says (`keep` [N, R] as this correction returned it)."""
+        sequences = keep.shape[0] if self.dropped_sequences_count else (keep.sum(1) > 0).sum()
+        return total(float(keep.sum())), total(float(sequences))
 
     def __call__(self, logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
         raise NotImplementedError
