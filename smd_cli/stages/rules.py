@@ -176,7 +176,7 @@ TASK_FIELDS: dict[str, Rule] = {  # task.*, and the same fields under model.warm
     "num_marks": integer(1),
     "majority": integer(1),
     "depth": real(0, 1, text="a fraction in [0, 1] of the haystack before the key", null="drawn per example"),
-    "key_digits": integer(1, "(at most 12)"),
+    "key_digits": Rule(lambda v: _int(v) and 1 <= v <= 12, "an integer in [1, 12]"),
     "haystack": one_of("filler", "govreport"),
     "haystack_file": text("a jsonl file of reports (field input or report)", null="none: haystack=filler"),
     "paper": mapping("a mapping of the paper's settings (recorded, not used)", null="none"),
