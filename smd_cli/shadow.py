@@ -14,10 +14,13 @@ Replay (`replay`, called by the model's attention for a forward given `shadow=Re
 - backend "flex" (CUDA by default): `flex_attention`, compiled once per process and made shape-generic at the
   first change of B or T (`compiled_flex`), with one `BlockMask` per forward and grid (`Replay.flex_mask`: the whole sequence, or the
   response rows after a prompt computed once for its samples), built from block indices alone (every causal
-  block, no [T, T] evaluation) and shared by all layers and by the recompute of gradient checkpointing; each
-  layer swaps in a `mask_mod` that reads its own slice of `evict_at`, so nothing T x T is ever materialised.
-  A compile that fails warns once and the replay runs on SDPA from then on (`flex_failure`); the CPU, where
-  flex has no backward, replays with SDPA wherever a gradient is needed.
+  block, no [T, T] evaluation) and shared by all layers and by the recompute of gradient checkpointing, as is the
+  grid's first query column (a 0-d device tensor, made once per forward, not per layer); each layer swaps in a
+  `mask_mod` that reads its own slice of `evict_at`, so nothing T x T is ever materialised.
+  A compile that fails warns once and the replay runs on SDPA from then on (`flex_failure`); anything else the
+  kernel raises propagates, an out-of-memory error with the planner's advice (`smd_cli.replay_errors`: the SDPA
+  replay needs more memory, so it is no way out). The CPU, where flex has no backward, replays with SDPA wherever
+  a gradient is needed.
 The `Replay` travels as a keyword argument of the forward, so the recompute that gradient checkpointing
 runs during `backward()` replays the very same mask.
 """
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from smd_cli import kernels
+from smd_cli.replay_errors import compile_failure, device_error, out_of_memory_advice
 
 NEVER = torch.iinfo(torch.int32).max  # sentinel while the final width is not known yet
 FLEX_BLOCK = 128  # flex_attention's default sparse block size
@@ -113,9 +117,14 @@ class Replay:
         return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_masks, left_pad)
 
     def flex_mask(self, queries: int, width: int):
-        """The causal BlockMask of `queries` query columns ending at column width-1, against `width` keys."""
+        """(BlockMask, start) of the grid of `queries` query columns ending at column width-1 against `width` keys:
+        the causal BlockMask, and the first query column as a 0-d long tensor on the device (None for the whole
+        square). Built at the first layer, reused by every other layer and the recompute: a scalar made per layer
+        was a blocking host-to-device copy per layer on CUDA."""
         if (queries, width) not in self.block_masks:
-            self.block_masks[(queries, width)] = causal_block_mask(width, self.evict_at.device, start=width - queries)
+            device, start = self.evict_at.device, width - queries
+            self.block_masks[(queries, width)] = (causal_block_mask(width, device, start=start),
+                                                  torch.full((), start, dtype=torch.long, device=device) if start else None)
         return self.block_masks[(queries, width)]
 
     @classmethod
@@ -142,7 +151,7 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
         mask = visibility(evict_layer, shadow.query_columns, shadow.key_columns[layer])  # [B, Hkv, q, S]
         return kernels.grouped(query, key, value, mask, scaling)
     if shadow.backend == "flex":
-        out = _flex(query, key, value, evict_layer, shadow.flex_mask(query.shape[2], key.shape[2]), scaling)
+        out = _flex(query, key, value, evict_layer, *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:
             return out
     prompt_length, width = shadow.prompt_length, query.shape[2]
@@ -162,9 +171,7 @@ def replay_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -
     flex: the block mask of the [R, T] grid, no mask materialised; sdpa: one layer's mask [B, Hkv, R, T] with the
     query groups folded (`kernels.grouped`)."""
     if shadow.backend == "flex":
-        width = key.shape[2]
-        start = torch.tensor(width - query.shape[2], device=query.device)
-        out = _flex(query, key, value, shadow.evict_at[:, layer], shadow.flex_mask(query.shape[2], width), scaling, start)
+        out = _flex(query, key, value, shadow.evict_at[:, layer], *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:
             return out
     return _sdpa_rows(layer, query, key, value, scaling, shadow)
@@ -234,13 +241,20 @@ def compiled_flex():
     return _compiled_flex
 
 
-def _flex(query, key, value, evict_layer, block_mask, scaling, start: torch.Tensor | None = None):
-    """Compiled flex_attention with the forward's shared BlockMask and this layer's mask_mod: [B, H, q, D], or None
-    when flex cannot run here (a failed compile: warned once, the caller replays with SDPA)."""
+def _without_backward(query) -> bool:
+    """The CPU's compiled flex has no backward: the replay runs on SDPA where a gradient is needed."""
+    return query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad
+
+
+def _flex(query, key, value, evict_layer, block_mask, start: torch.Tensor | None = None, *, scaling: float):
+    """Compiled flex_attention with the forward's shared BlockMask and first query column `start` (None: the whole
+    square) and this layer's mask_mod: [B, H, q, D], or None when flex cannot run here (a failed compile: warned
+    once, the caller replays with SDPA). An out-of-memory error propagates with the planner's advice, any other
+    runtime error as it came."""
     global _flex_failure
     if _flex_failure is not None:
         return None
-    if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
+    if _without_backward(query):
         _warn_once("flex_attention has no backward on the CPU; the shadow replay runs on SDPA where a gradient is needed")
         return None
     groups = query.shape[1] // key.shape[1]
@@ -251,8 +265,13 @@ def _flex(query, key, value, evict_layer, block_mask, scaling, start: torch.Tens
     layer_mask.mask_mod = layer_mask_mod(evict_layer, groups, start)
     try:
         return compiled_flex()(query, key, value, block_mask=layer_mask, scale=scaling, enable_gqa=groups > 1)
-    except Exception as err:  # a compile (or kernel) failure: warn once, then the SDPA replay from here on
-        lines = str(err).strip().splitlines()
+    except Exception as err:
+        cause = device_error(err)
+        if isinstance(cause, torch.OutOfMemoryError):
+            raise torch.OutOfMemoryError(out_of_memory_advice(cause, query, key)) from err
+        if not compile_failure(err):
+            raise  # a kernel's runtime error: switching kernels would hide it
+        lines = str(err).strip().splitlines()  # a failed compile: warn once, then the SDPA replay from here on
         _flex_failure = f"{type(err).__name__}: {lines[0] if lines else ''}"
         _warn_once(f"the shadow replay's compiled flex_attention failed ({_flex_failure}); replaying with SDPA (the CPU-tested "
                    "path) for the rest of this process")
