@@ -8,16 +8,23 @@ the learner nothing to learn from:
   terms) although rewards still differed within groups: the network no longer responds to its reward (what an
   update too large leaves: saturated weights, exactly or nearly zero gradients).
 
-A run whose last `window` steps are all silent has stopped learning. That is where training ends when the
-policy earns the full reward (1) on every sample (converged: zero advantages, zero gradient, never a
-collapse), and it is a collapse when the policy is worse than it started: the sampler's mean reward over those
-steps is below the first step's (and below 1), or the steps are all dead. The collapse is *certain* (the run
-stops at once) when the steps are all dead, or when the policy also samples (almost) deterministically: its
-token entropy below 1 % of the first step's, so that no sample can ever differ again. Otherwise it is said at
-the end of the run, which then reads "collapsed" too; so does a run that ends with two or more silent steps
-below the first step's reward and a held-out reward fallen by half or more. The collapse began at the first
-silent step of the streak, `since`: the update of step `since - 1` produced it, so the last good weights are
-those of step `since - 2`.
+Silence alone is no collapse: a prompt the policy always solves and one it always misses make a silent step of a
+healthy policy, and a policy that earns the full reward (1) on every sample has converged. The run is judged
+against its *baseline*, the mean over its first BASELINE_STEPS logged steps (of the sampler's reward; of the token
+entropy), not against one step that may have been lucky. The reward has *fallen* over some steps when their mean is
+at most FALLEN (half) of a positive baseline.
+
+- Certain (the run stops at once): the last `window` steps are all dead; or they are all silent, the reward over
+  them has fallen, and the policy samples (almost) deterministically (the last step's token entropy at most
+  LOW_ENTROPY, 1 %, of the baseline's), so that no sample can ever differ again.
+- At the end of a run (said, not stopped; summary status "collapsed"): the last `window` steps silent with the
+  reward fallen over them, or two or more silent with the reward fallen and the held-out reward fallen by half;
+  or, silent or not, the reward fallen over the last `window` steps after the baseline's (the trend itself:
+  partial-credit or ROUGE rewards almost never give a silent step). A held-out reward that rose (after > before)
+  overrules these end-of-run signals: the run is not collapsed.
+
+The collapse began at `since`: the first silent step of the streak (for the trend: the first of the trailing steps
+whose own reward has fallen, or of the last `window` if that is earlier); the update of step `since - 1` produced it, so the last good weights are those of step `since - 2`.
 
 Library code: plain rows in, a verdict out; `smd_cli.stages.train_state` acts on it.
 """
@@ -27,14 +34,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 TINY_GRADIENT = 1e-6  # of the run's largest gradient norm: below it a gradient is rounding noise
-LOW_ENTROPY = 0.01  # of the first step's sampling entropy: below it the policy writes (almost) the same thing
+LOW_ENTROPY = 0.01  # of the baseline's sampling entropy: below it the policy writes (almost) the same thing
+BASELINE_STEPS = 3  # the first logged steps whose mean reward and entropy a run is judged against
+FALLEN = 0.5  # a mean reward at most this fraction of the baseline's has fallen
 
 
 @dataclass(frozen=True)
 class Collapse:
-    since: int  # the first suspect step of the streak (1-based)
+    since: int  # the first suspect step (1-based)
     step: int  # the last step judged
-    kind: str  # "stuck" or "dead" (of the last step)
+    kind: str  # "same", "dead" (the silent streak's last step) or "fell" (the reward trend, no silent streak)
     certain: bool
     reason: str
 
@@ -47,6 +56,11 @@ class Collapse:
 def _number(row: dict, key: str) -> float | None:
     value = row.get(key)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [v for v in (_number(r, key) for r in rows) if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def judge(rows: list[dict]) -> list[str | None]:
@@ -71,66 +85,93 @@ def trailing(kinds: list[str | None]) -> int:
     return n
 
 
+def baseline(rows: list[dict], key: str = "reward") -> float | None:
+    """The mean of `key` over the run's first BASELINE_STEPS logged steps."""
+    return _mean(rows[:BASELINE_STEPS], key)
+
+
+def fallen(rows: list[dict], n: int) -> bool:
+    """The sampler's mean reward over the last `n` steps is at most FALLEN of a positive baseline."""
+    base, recent = baseline(rows), _mean(rows[-n:], "reward") if n else None
+    return base is not None and recent is not None and base > 0 and recent <= FALLEN * base
+
+
 def deterministic(rows: list[dict]) -> bool:
-    """The last step's sampling entropy is below LOW_ENTROPY of the first step's."""
-    first, last = _number(rows[0], "entropy"), _number(rows[-1], "entropy")
-    return first is not None and last is not None and first > 0 and last <= LOW_ENTROPY * first
+    """The last step's sampling entropy is at most LOW_ENTROPY of the baseline's."""
+    base, last = baseline(rows, "entropy"), _number(rows[-1], "entropy")
+    return base is not None and last is not None and base > 0 and last <= LOW_ENTROPY * base
 
 
-def _mean_reward(rows: list[dict]) -> float | None:
-    values = [v for v in (_number(r, "reward") for r in rows) if v is not None]
-    return sum(values) / len(values) if values else None
+def trend(rows: list[dict], window: int) -> bool:
+    """The reward has fallen over the last `window` steps, all of them after the baseline's steps."""
+    return len(rows) >= BASELINE_STEPS + window and fallen(rows, window)
 
 
-def worse(rows: list[dict], n: int) -> bool:
-    """The sampler's mean reward over the last `n` steps is below the first step's and below 1."""
-    first, recent = _number(rows[0], "reward"), _mean_reward(rows[-n:])
-    return first is not None and recent is not None and recent < min(1.0, first)
+def _fall_since(rows: list[dict], window: int) -> int:
+    """Where a falling trend began: the first of the trailing steps whose reward is at most FALLEN of the
+    baseline, or the first of the last `window` steps when that is earlier."""
+    low, n = FALLEN * baseline(rows), 0
+    for row in reversed(rows[BASELINE_STEPS:]):
+        reward = _number(row, "reward")
+        if reward is None or reward > low:
+            break
+        n += 1
+    return rows[-max(n, window)]["step"]
 
 
-def suspect_since(rows: list[dict]) -> int | None:
-    """The first step of a trailing streak of silent steps that are not all at the full reward, or None."""
+def suspect_since(rows: list[dict], window: int) -> int | None:
+    """The first step of a trailing streak of silent steps that are not all at the full reward, or of a falling
+    reward (`trend`), or None: the step from which the weights are suspect."""
     n = trailing(judge(rows))
-    return rows[-n]["step"] if n and _mean_reward(rows[-n:]) != 1.0 else None
+    if n and _mean(rows[-n:], "reward") != 1.0:
+        return rows[-n]["step"]
+    return _fall_since(rows, window) if window > 0 and trend(rows, window) else None
 
 
 def verdict(rows: list[dict], window: int, end: bool = False, held_out: tuple[float, float] | None = None) -> Collapse | None:
-    """The collapse the last steps of `rows` show, or None. `certain` (stop now): the last `window` steps are all
-    dead, or all silent below the first step's reward with a deterministic policy. At the `end` of a run,
-    `window` silent steps below the first step's reward, or two and a held-out reward (`held_out`: before, after)
-    fallen by half or more, are a collapse too (not certain: said, the run being over anyway). `window` 0 turns
-    the rule off."""
+    """The collapse the last steps of `rows` show, or None (the rule is in the module's docstring). `end`: the run
+    is over, and `held_out` (the held-out reward before and after, when measured) may confirm or overrule.
+    `window` 0 turns the rule off."""
     if window <= 0 or not rows:
         return None
     kinds = judge(rows)
     n = trailing(kinds)
-    if n == 0:
-        return None
     k = min(n, window)
     dead = n >= window and all(kind == "dead" for kind in kinds[-k:])
-    certain = dead or (n >= window and worse(rows, k) and deterministic(rows))
-    fell = held_out is not None and held_out[0] > 0 and held_out[1] <= held_out[0] / 2
-    if not (certain or (end and worse(rows, k) and (n >= window or (n >= 2 and fell)))):
+    certain = dead or (n >= window and fallen(rows, k) and deterministic(rows))
+    if certain:
+        return Collapse(rows[-n]["step"], rows[-1]["step"], "dead" if dead else "same", True, _reason(rows, n, k, dead, None))
+    if not end or (held_out is not None and held_out[1] > held_out[0]):
         return None
-    since = rows[-n]["step"]
-    return Collapse(since, rows[-1]["step"], "dead" if dead else "same", certain, _reason(rows, n, k, dead, held_out if fell else None))
+    fell = held_out is not None and held_out[0] > 0 and held_out[1] <= FALLEN * held_out[0]
+    if n and fallen(rows, k) and (n >= window or (n >= 2 and fell)):
+        return Collapse(rows[-n]["step"], rows[-1]["step"], "same", False, _reason(rows, n, k, False, held_out))
+    if trend(rows, window):
+        return Collapse(_fall_since(rows, window), rows[-1]["step"], "fell", False, _reason(rows, 0, window, False, held_out))
+    return None
+
+
+def _steps(rows: list[dict]) -> str:
+    return f"steps {rows[0]['step']}-{rows[-1]['step']}" if len(rows) > 1 else f"step {rows[0]['step']}"
 
 
 def _reason(rows: list[dict], n: int, k: int, dead: bool, held_out: tuple[float, float] | None) -> str:
-    first, last = rows[0], rows[-1]
-    span = f"steps {rows[-n]['step']}-{last['step']}" if n > 1 else f"step {last['step']}"
+    """Why: the silent streak of the last `n` steps (0: the reward trend over the last `k`), the entropy, and the
+    held-out reward when given."""
+    early, last = rows[:BASELINE_STEPS], rows[-1]
     if dead:
         largest = max((_number(r, "grad_norm") or 0.0) for r in rows)
-        parts = [f"the gradient vanished ({span}: norm {_number(last, 'grad_norm'):.3g}, the run's largest {largest:.3g}) "
-                 "although rewards still differed within groups: the network no longer responds to its reward "
-                 "(saturated by an update too large)"]
+        parts = [f"the gradient vanished ({_steps(rows[-n:])}: norm {_number(last, 'grad_norm'):.3g}, the run's largest "
+                 f"{largest:.3g}) although rewards still differed within groups: the network no longer responds to its "
+                 "reward (saturated by an update too large)"]
     else:
-        parts = [f"the sampler's reward fell from {_number(first, 'reward'):.3g} (step {first['step']}) to a mean of "
-                 f"{_mean_reward(rows[-k:]):.3g} over the last {k} steps, and every group's samples earned the same reward "
-                 f"({span}), so no advantage is left to learn from"]
-    entropy, start = _number(last, "entropy"), _number(first, "entropy")
+        parts = [f"the sampler's reward fell from a mean of {baseline(rows):.3g} ({_steps(early)}) to a mean of "
+                 f"{_mean(rows[-k:], 'reward'):.3g} over the last {k} steps"
+                 + (f", and every group's samples earned the same reward ({_steps(rows[-n:])}), so no advantage is left "
+                    "to learn from" if n else "")]
+    entropy, start = _number(last, "entropy"), baseline(rows, "entropy")
     if entropy is not None and start is not None:
-        parts.append(f"token entropy {entropy:.3g} nats (step {first['step']}: {start:.3g})"
+        parts.append(f"token entropy {entropy:.3g} nats ({_steps(early)}: {start:.3g})"
                      + ("; the policy writes the same thing every time" if deterministic(rows) else ""))
     if held_out is not None:
         parts.append(f"held-out reward {held_out[0]:.3g} -> {held_out[1]:.3g}")

@@ -154,12 +154,14 @@ class CollapseGuard:
         return found if found is not None and found.certain else None
 
     def at_end(self, held_out: tuple[float, float] | None) -> collapse.Collapse | None:
-        """The collapse the finished run shows (`held_out`: reward before and after, when measured), or None."""
+        """The collapse the finished run shows (`held_out`: reward before and after, when measured; one that rose
+        overrules the training signal), or None."""
         return collapse.verdict(self.rows, self.window, end=True, held_out=held_out)
 
     def protect(self) -> int | None:
-        """While suspect steps run, the newest step whose weights predate them: its checkpoint survives rotation."""
-        since = collapse.suspect_since(self.rows) if self.window else None
+        """While suspect steps run (a silent streak, or a falling reward: `collapse.suspect_since`), the newest step
+        whose weights predate them: its checkpoint survives rotation."""
+        since = collapse.suspect_since(self.rows, self.window) if self.window else None
         return None if since is None else max(since - 2, 0)
 
     def note(self) -> str:
