@@ -71,11 +71,14 @@ def package_file(package: str, file: str) -> Path:
 
 def hub_available(repo_id: str) -> bool:
     """Whether transformers can load `repo_id` now: its files in the local Hub cache, or the Hub reachable
-    (asked with a 5-second timeout, never when `HF_HUB_OFFLINE` is set)."""
+    (asked with a 5-second timeout, never when `HF_HUB_OFFLINE` is set). A cached file is a path: the cache's
+    "known not to exist" entry (`.no_exist/`, returned as a sentinel object) and a missing file are not."""
     from huggingface_hub import try_to_load_from_cache
 
-    cached = try_to_load_from_cache(repo_id, "config.json")
-    if isinstance(cached, str) and try_to_load_from_cache(repo_id, "model.safetensors"):
+    def cached(file: str) -> bool:
+        return isinstance(try_to_load_from_cache(repo_id, file), str)
+
+    if cached("config.json") and (cached("model.safetensors") or cached("model.safetensors.index.json")):
         return True
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         return False
