@@ -6,17 +6,21 @@ run is shown with its reason and never drawn as a 0; a collapsed run (`status` "
 by short labels (`label`: "evict after" for eval/evict/reward_after, the key in the caption) so that a 140-column terminal wraps
 them between words; the CSVs and markdown keep the keys. The plots show both held-out evaluations, with a dense
 KV cache and under eviction, after training (and before, as marks), with standard-error bars over the seeds.
+Runs that ran different weights (`model.source=auto`: the Hub's checkpoint online, the dequantised GGUF offline)
+are never averaged together: `weights_key` makes the weights a key of the tables, named in every row.
 Library code: no Hydra.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from smd_cli.io import read_jsonl, write_atomic
@@ -58,6 +62,36 @@ def markdown(columns: list[str], rows: list[list[str]]) -> str:
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]) + "\n"
+
+
+def weights_key(rows: list[dict]) -> list[str]:
+    """["weights"] when the rows' runs with results ran different weights (their summary.json's `model/weights`, else
+    provenance.json's), each row then holding its own under `weights` (None: a failed run): a key of the tables like a
+    swept one, so that no mean pools two models and every row names its weights. [] (rows unchanged) when they agree."""
+    found = {id(r): _weights(Path(r["dir"])) if r["status"] in ("ok", "collapsed") else None for r in rows}
+    labels = sorted({w for w in found.values() if w})
+    if len(labels) < 2:
+        return []
+    for r in rows:
+        r["weights"] = found[id(r)]
+    console.print(f"[red]ablate: the runs ran {len(labels)} different weights[/red] (model.source=auto takes the Hub's checkpoint "
+                  f"when it is reachable or cached, else the dequantised GGUF): {escape('; '.join(labels))}. The tables name each run's "
+                  "(column weights) and average only runs of the same weights; set model.source=hub or gguf to run one model.",
+                  highlight=False)
+    return ["weights"]
+
+
+def _weights(run_dir: Path) -> str | None:
+    """The label of the weights a run ran, from its summary.json or provenance.json (None: neither says)."""
+    for name, read in (("summary.json", lambda d: d.get("model/weights")),
+                       ("provenance.json", lambda d: (d.get("weights") or {}).get("label"))):
+        try:
+            value = read(json.loads((run_dir / name).read_text()))
+        except (OSError, ValueError, AttributeError):
+            continue
+        if value:
+            return str(value)
+    return None
 
 
 def write_table(out: Path, rows: list[dict], keys: list[str], metrics: list[str]) -> None:

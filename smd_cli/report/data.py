@@ -7,7 +7,9 @@ directories (the recipe's own seeds, then the seeds added until its claims were 
 a later row replacing an earlier one of the same swept values. Each member directory holds `summary.json` (the
 held-out evaluations, `train/*` and `last/*`) and `metrics.jsonl` (one row per step). A run whose policy
 collapsed (status "collapsed", `status_reason`) has results like a completed one and is flagged; a failed run
-has none.
+has none. Each run's summary says which weights ran (`model/weights`): `model.source=auto` takes a Hub checkpoint
+when the Hub is reachable or cached and the dequantised GGUF otherwise, so runs of one table can differ by the
+network; `check_weights` refuses to pool or pair such runs (only a swept `model` key may tell them apart).
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ class Run:
     @property
     def attempted(self) -> bool:
         return self.status != "not run"
+
+    @property
+    def weights(self) -> str | None:
+        """Which weights ran (`model/weights` of its summary: e.g. the Hub checkpoint, or a dequantised GGUF); None
+        when it has no results or its summary does not say."""
+        return self.summary.get("model/weights") if self.ok else None
+
+    @property
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.values.items())
 
     def steps(self) -> list[dict]:
         """metrics.jsonl, read once ([] when missing or unreadable)."""
@@ -123,6 +135,31 @@ class Sweep:
 
     def seeds(self) -> list[str]:
         return self.values("seed") if "seed" in self.keys else []
+
+
+class WeightsDiffer(ValueError):
+    """Runs that a report would pool or pair ran different weights."""
+
+
+def check_weights(sweeps: dict[str, Sweep], shown: int = 3) -> None:
+    """Raise `WeightsDiffer` when runs with results that the report compares ran different weights: all the runs of
+    all the sweeps, or, in a sweep that sweeps a `model` key, those with the same model values. Runs whose summary
+    does not say are not judged. The message names each weights with (up to `shown` of) its runs."""
+    groups: dict[tuple, dict[str, list[str]]] = {}
+    for name, sweep in sweeps.items():
+        model_keys = [k for k in sweep.keys if k == "model" or k.startswith("model.")]
+        for run in sweep.runs:
+            if run.weights:
+                group = tuple(f"{k}={run.values[k]}" for k in model_keys)
+                groups.setdefault(group, {}).setdefault(run.weights, []).append(f"{name}: {run.label}")
+    for group, found in groups.items():
+        if len(found) > 1:
+            named = "; ".join(f"{label!r} in {len(runs)} run{'s' * (len(runs) > 1)} ({', '.join(runs[:shown])}"
+                              f"{', ...' if len(runs) > shown else ''})" for label, runs in found.items())
+            raise WeightsDiffer(f"the runs{' of ' + ','.join(group) if group else ''} ran different weights, and a report does not "
+                                f"pool or pair them: {named}. model.source=auto loads the Hub's checkpoint when the Hub is reachable "
+                                "or cached, and the dequantised GGUF otherwise: set model.source=hub or model.source=gguf, and run "
+                                "the runs of the other weights again (remove their directories)")
 
 
 def _json(path: Path) -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from smd_cli.io import write_atomic
 from smd_cli.report import claims, figures, machinery, tables
-from smd_cli.report.data import Sweep
+from smd_cli.report.data import Sweep, check_weights
 from smd_cli.report.tables import MAIN_COLUMNS
 from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential, cell, critical
 
@@ -75,7 +75,9 @@ def write_report(out: Path, sweeps: dict[str, Sweep], bench: dict, header: dict,
     """REPORT.md for the sweeps of roles `main`, `compression`, `lambda`, `selection` (any may be missing) and the
     benchmarks (`learner_memory`: one result, `step_overhead`: a list, `parity_check`: smd check-parity's parity.json), under `header`
     (scale, commit, versions, machine, wall seconds, commands, the cost model's prediction), the policy claims judged
-    by `rule` (seeds until decided; default: one look at the seeds there are)."""
+    by `rule` (seeds until decided; default: one look at the seeds there are). Raises `data.WeightsDiffer`, writing
+    nothing, when runs it would pool or pair ran different weights (`data.check_weights`)."""
+    check_weights(sweeps)
     out.mkdir(parents=True, exist_ok=True)
     rule = rule or Sequential((max((len(s.seeds()) for s in sweeps.values()), default=1) or 1,))
     r = Report(out)

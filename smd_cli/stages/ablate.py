@@ -25,7 +25,7 @@ from smd_cli.stats import aggregate
 from smd_cli.stages.common import console, start_run
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
-from smd_cli.sweep_tables import write_means, write_plot, write_table
+from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
 
 
 class AblationFailed(SystemExit):
@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> dict:
         launch(pending, runs_dir)
     metrics = list(cfg.ablate.metrics)
     rows = [row(m, runs_dir, metrics, reused=m.identity in done) for m in members]
-    keys = [k for k, _ in sweep]
+    keys = [k for k, _ in sweep] + weights_key(rows)  # + weights when the runs ran different ones: never averaged together
     write_table(run_.dir, rows, keys, metrics)
     write_plot(run_.dir, rows, cfg.ablate.plot_metric)
     failed = [r for r in rows if r["status"] not in ("ok", "collapsed")]

@@ -36,7 +36,7 @@ from rich.table import Table
 from smd_cli import lifetime
 from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
-from smd_cli.report.data import Run, Sweep
+from smd_cli.report.data import Run, Sweep, WeightsDiffer
 from smd_cli.report.write import write_report
 from smd_cli.stages.common import ROOT, ConfigError, check, console, start_run
 from smd_cli.stages.rules import check_config
@@ -218,7 +218,10 @@ def run(cfg: DictConfig) -> dict:
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                          + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU") + f", {cfg.jobs} runs at once",
               "runs_dir": os.path.relpath(root / "members", ROOT), "prediction": prediction, "rounds": rounds}
-    report = write_report(out, read_tables(tables, root), bench, header, seq)
+    try:
+        report = write_report(out, read_tables(tables, root), bench, header, seq)
+    except WeightsDiffer as err:  # the network chose the weights run by run (model.source=auto)
+        raise ConfigError(str(err)) from None
     failed = {role: code for role, code in outcomes.items() if code}
     console.print(f"report written to {report}" + (f"; tables with failed runs: {', '.join(failed)}" if failed else ""))
     return {"report": str(report), "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()}, "failed_tables": failed}
