@@ -6,11 +6,11 @@ Layout of a run directory:
     RUN/checkpoints/step_000020/trainer_state.pt   step, optimizer state, RNG states, plain extras
     RUN/final/                                      save_pretrained of the last weights (for `smd eval`)
 
-A checkpoint is written into `checkpoints/.step_N.tmp/` and renamed to `step_N/` only when complete, so a
-run killed mid-write leaves the previous checkpoints intact and a leftover `*.tmp` folder, which every
-listing ignores and the next save (or resume) removes. The last file written is `MANIFEST.json` (sizes
+A checkpoint is written into a temporary `checkpoints/.step_N.PID@HOST.tmp/` and renamed to `step_N/` only
+when complete (`integrity.write_dir`), so a run killed mid-write leaves the previous checkpoints intact and a
+leftover `*.tmp` folder, which every listing ignores and the next save (or resume) removes. The last file written is `MANIFEST.json` (sizes
 and SHA-256 of the rest, read back from disk): a checkpoint is complete when it has one and intact when
-its files still match it (`newest_intact`); a corrupt one is moved aside to `step_N.corrupt`, never
+its files still match it (`newest_intact`; a malformed manifest is corruption too); a corrupt one is moved aside to `step_N.corrupt`, never
 trusted and never deleted. Loading never unpickles code: weights go through
 safetensors (`from_pretrained(..., use_safetensors=True)`), the rest through
 `torch.load(weights_only=True)`, which is why RNG states are stored as tensors and plain types.
@@ -19,8 +19,6 @@ A save that fails (a full disk above all) removes its partial folder and raises 
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import pickle
 import random
@@ -33,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from smd_cli.integrity import MANIFEST, verify, write_manifest
-from smd_cli.io import replace_dir_atomic
+from smd_cli.integrity import MANIFEST, DiskFull, Unwritable, verify, write_dir
+from smd_cli.io import to_json
 
 FORMAT = 2
 _STEP = re.compile(r"^step_(\d{6,})$")
@@ -160,17 +158,6 @@ def save_model(path: Path, model, tokenizer=None, state_dict: dict | None = None
             tokenizer.save_pretrained(path)
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush every file under `root` to disk before the rename publishes it."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, extra: dict | None = None,
                     keep_last: int | None = None, model_state: dict | None = None, optimizer_state: dict | None = None,
                     protect: int | None = None) -> Path:
@@ -183,7 +170,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, 
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     remove_partial(run_dir)
-    tmp, final = root / f".step_{step:06d}.tmp", root / f"step_{step:06d}"
+    final = root / f"step_{step:06d}"
     optimizer_state = optimizer.state_dict() if optimizer_state is None else optimizer_state
     state = {"format": FORMAT, "step": step, "optimizer": optimizer_state, "rng": rng_state(), "extra": extra or {}}
 
@@ -191,7 +178,7 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, 
         save_model(folder / "model", model, tokenizer, model_state)
         torch.save(state, folder / "trainer_state.pt")
 
-    _write_dir(tmp, final, write, f"checkpoint step {step}")
+    _write_dir(final, write, f"checkpoint step {step}")
     if keep_last:  # the checkpoint just written (intact: its manifest was read back from disk) is always kept
         found = list_checkpoints(run_dir)
         kept = found[-keep_last:] + [c for c in found if protect is not None and c.step <= protect][-1:]
@@ -201,32 +188,24 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, tokenizer=None, 
     return final
 
 
-def _write_dir(tmp: Path, final: Path, write, what: str) -> None:
-    """`write(tmp)`, then its manifest, fsync, and the rename to `final`; on failure `tmp` is removed and the
-    error says whether the disk is full (torch and safetensors report ENOSPC in their own words)."""
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+_SAFE = "the partial write was removed and earlier checkpoints are intact"
+
+
+def _write_dir(final: Path, write, what: str) -> None:
+    """`integrity.write_dir` (a full disk or a read-only place named, with what is still safe); any other failure
+    is an OSError saying the same."""
     try:
-        write(tmp)
-        _fsync_tree(tmp)
-        write_manifest(tmp)
-    except Exception as err:  # a KeyboardInterrupt leaves `tmp` behind, as a killed process would
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(tmp.parent).free
-        full = getattr(err, "errno", None) == errno.ENOSPC or "space left" in str(err) or "os error 28" in str(err) or free < 64 << 20
-        if full:
-            raise OSError(errno.ENOSPC, f"no space left on device while writing {what} to {final} ({free / 2**20:.0f} MiB "
-                          "free there). The partial write was removed and earlier checkpoints are intact: free some space, "
-                          "then continue with resume=true") from err
-        raise OSError(f"writing {what} to {final} failed ({type(err).__name__}: {err}); the partial write was removed "
-                      "and earlier checkpoints are intact") from err
-    replace_dir_atomic(tmp, final)
+        write_dir(final, write, what, hint=f"{_SAFE}: make room, then continue with resume=true")
+    except (DiskFull, Unwritable):
+        raise
+    except Exception as err:
+        raise OSError(f"writing {what} to {final} failed ({type(err).__name__}: {err}); {_SAFE}") from err
 
 
 def save_final(run_dir: Path, model, tokenizer=None, model_state: dict | None = None) -> Path:
     """`RUN/final`: the last weights in save_pretrained form (what `smd eval checkpoint=RUN/final` reads)."""
-    tmp, final = Path(run_dir) / ".final.tmp", Path(run_dir) / "final"
-    _write_dir(tmp, final, lambda folder: save_model(folder, model, tokenizer, model_state), "the final weights")
+    final = Path(run_dir) / "final"
+    _write_dir(final, lambda folder: save_model(folder, model, tokenizer, model_state), "the final weights")
     return final
 
 
@@ -300,7 +279,7 @@ def resume_run(checkpoint: Checkpoint, model, trust_remote_code: bool = False,
     load_weights(model, checkpoint.path / "model", trust_remote_code)
     if launched_in is not None:
         with (checkpoint.path.parent.parent / "resumes.jsonl").open("a") as f:
-            f.write(json.dumps({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+            f.write(to_json({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
     return extra, state["rng"], state["optimizer"]
 
 

@@ -1,14 +1,27 @@
-"""What makes a directory on disk trustworthy: checksums written with it, and one writer at a time.
+"""The one way smd writes to disk: atomic writes, locks, abandoned temporaries, named failures, manifests.
 
-`write_manifest(dir)` records the size and SHA-256 of every file under `dir` in `dir/MANIFEST.json`,
-read back from disk after writing (so it describes the bytes that landed); `verify(dir)` recomputes them
-and names every file that is missing, truncated or changed. Checkpoints, `final/` and the warm-start cache
-carry one.
+Every writer (run directories, checkpoints, `final/`, the weights and warm-start caches, sweeps, the
+shadow masks) goes through here:
 
-`hold(path)` takes an advisory lock (`fcntl.flock`) on `path/.lock` for the rest of the process: a
-second process that asks for it gets `Locked`, naming the holder's pid, host and start time. The kernel
-releases a flock when its process dies, so the lock file a killed run leaves behind is recognised as
-stale and taken over without any clean-up.
+- `write_file(path, content, what)` writes a file through a temporary beside it and a rename;
+  `write_dir(final, write, what)` a folder, its `MANIFEST.json` last, renamed into place (`replace_dir`).
+  Readers never see half a file or half a folder.
+- A temporary is named `.NAME.PID@HOST.tmp`: one whose owner on this host is dead (a `kill -9`) is removed
+  at the next write beside it (`clean_temporaries`), so a killed write costs its bytes only until then.
+- A write that fails removes its temporary and says why: a full disk is `DiskFull` (an OSError with errno
+  ENOSPC: the CLI prints `disk full: ...`; torch and safetensors say it in their own words, read here), a
+  place that cannot be written (a read-only file system, no permission, a file where a folder must be) is
+  `Unwritable` (a ValueError naming the path, which a stage reports as a config error naming its key).
+- `write_manifest(dir)` records the size and SHA-256 of every file under `dir` in `dir/MANIFEST.json`, read
+  back from disk after writing; `verify(dir)` checks the manifest's shape (`read_object`) and recomputes
+  them, naming every file that is missing, truncated or changed. A malformed manifest is a problem, never
+  a crash: the directory is not trusted.
+- `hold(dir)` locks a directory for the rest of the process (`dir/.lock`, `fcntl.flock`): another process
+  gets `Locked` naming the holder's pid, host and start time, or with `wait=True` says whom it waits for
+  and waits. `exclusive(path)` holds a lock file for a block (one process fills a cache entry, the others
+  wait, saying for whom). The kernel releases a flock when its process dies, so a killed holder's lock is
+  taken over without any clean-up. `handed_down(dir)` passes a held lock to a child process (a sweep's
+  member), which then holds it too (`hold` recognises the inherited descriptor).
 """
 
 from __future__ import annotations
@@ -18,14 +31,220 @@ import fcntl
 import hashlib
 import json
 import os
+import re
+import shutil
 import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 MANIFEST = "MANIFEST.json"
+LOCK = ".lock"
+INHERITED = "SMD_LOCK_FD"  # a held lock's descriptor, handed to a child process (`handed_down`)
+LOW_SPACE = 64 << 20  # bytes: a write that fails with less free than this failed for want of space
 _BLOCK = 1 << 22
+_HOST = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()) or "host"
+_OWNER = re.compile(r"\.(\d+)@([A-Za-z0-9-]+)\.tmp$")
+_FULL = ("no space left", "os error 28", "storagefull", "quota exceeded", "os error 122")
+_READ_ONLY = ("read-only file system", "os error 30")
 
+
+class DiskFull(OSError):
+    """The disk filled during a write (errno ENOSPC); the partial write was removed."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+
+class Unwritable(ValueError):
+    """A place that cannot be written: a read-only file system, no permission, or a file where a folder must be."""
+
+
+class Malformed(ValueError):
+    """A JSON record smd wrote (a manifest, `weights.json`) that does not have the shape it was written with."""
+
+
+# -- failures named ---------------------------------------------------------------------------------------------
+
+def _existing(path: Path) -> Path:
+    """`path` or its nearest existing ancestor."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def named_failure(err: BaseException, path: Path, what: str) -> Exception | None:
+    """`DiskFull` or `Unwritable` for an error met writing `what` to `path`, or None when it is neither."""
+    path = Path(path)
+    code, text = getattr(err, "errno", None), str(err).lower()
+    place = _existing(path.parent)
+    if code == errno.ENOTDIR or place.is_file():
+        return Unwritable(f"{place} is a file, not a folder: {what} cannot be written under it ({path})")
+    if code == errno.EROFS or any(s in text for s in _READ_ONLY):
+        return Unwritable(f"{place} is on a read-only file system: {what} cannot be written there ({path})")
+    if code in (errno.EACCES, errno.EPERM):
+        return Unwritable(f"{place} is not writable (permission denied): {what} cannot be written there ({path})")
+    if code is None and not os.access(place, os.W_OK):  # a library's own words for EROFS or EACCES
+        return Unwritable(f"{place} is not writable (a read-only file system or no permission): {what} cannot be written "
+                          f"there ({path})")
+    try:
+        free = shutil.disk_usage(place).free
+    except OSError:
+        free = None
+    # torch's zip writer says "unexpected pos" when the disk fills: little space left is the cause of such an error
+    low = isinstance(err, (OSError, RuntimeError)) and free is not None and free < LOW_SPACE
+    if code in (errno.ENOSPC, errno.EDQUOT) or any(s in text for s in _FULL) or low:
+        left = "" if free is None else f" ({free / 2**20:.0f} MiB free there)"
+        return DiskFull(f"no space left on device while writing {what} to {path}{left}")
+    return None
+
+
+@contextmanager
+def named_failures(path: Path, what: str, hint: str = ""):
+    """Re-raise an error of the block as `DiskFull` / `Unwritable` when it is one (`hint` appended)."""
+    try:
+        yield
+    except (DiskFull, Unwritable):
+        raise
+    except Exception as err:
+        named = named_failure(err, path, what)
+        if named is None:
+            raise
+        if hint:
+            named = type(named)(f"{named.args[-1]}; {hint}")
+        raise named from err
+
+
+def make_dir(path: Path, what: str = "a folder") -> Path:
+    """`path` as a folder (made with its parents), or `Unwritable` / `DiskFull` naming why it cannot be."""
+    path = Path(path)
+    if _existing(path).is_file():
+        raise Unwritable(f"{_existing(path)} is a file, not a folder: {what} cannot be written under it ({path})")
+    with named_failures(path / "_", what):
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -- temporaries ----------------------------------------------------------------------------------------------------
+
+def temporary(final: Path) -> Path:
+    """This process's temporary for `final`, beside it: `.NAME.PID@HOST.tmp`."""
+    final = Path(final)
+    return final.with_name(f".{final.name}.{os.getpid()}@{_HOST}.tmp")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def abandoned(parent: Path, name: str | None = None) -> list[Path]:
+    """Temporaries in `parent` (of `name` when given) no live process owns: their owner on this host is dead, or
+    they carry no owner (written before temporaries were named by pid). Another host's are never touched."""
+    parent = Path(parent)
+    if not parent.is_dir():
+        return []
+    found = []
+    for path in parent.iterdir():
+        if not (path.name.startswith(f".{name}." if name else ".") and path.name.endswith(".tmp")):
+            continue
+        owner = _OWNER.search(path.name)
+        if owner is None or (owner.group(2) == _HOST and not _alive(int(owner.group(1)))):
+            found.append(path)
+    return sorted(found)
+
+
+def clean_temporaries(parent: Path, name: str | None = None) -> list[Path]:
+    """Remove `abandoned(parent, name)`; returns what was removed."""
+    removed = abandoned(parent, name)
+    for path in removed:
+        _remove(path)
+    return removed
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# -- atomic writes ----------------------------------------------------------------------------------------------------
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file(path: Path, content: str | bytes | Callable[[Path], None], what: str | None = None) -> Path:
+    """Write `path` atomically: `content` (text, bytes, or a function writing the file it is given, e.g.
+    safetensors' `save_file`) goes to a temporary beside it, flushed, then renamed over `path`."""
+    path = Path(path)
+    what = what or path.name
+    make_dir(path.parent, what)
+    clean_temporaries(path.parent, path.name)
+    tmp = temporary(path)
+    try:
+        with named_failures(path, what):
+            if callable(content):
+                content(tmp)
+            else:
+                with open(tmp, "w" if isinstance(content, str) else "wb") as f:
+                    f.write(content)
+            _fsync(tmp)
+            os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return path
+
+
+def write_dir(final: Path, write: Callable[[Path], None], what: str, hint: str = "") -> Path:
+    """Write the folder `final` atomically: `write(tmp)` fills a temporary folder beside it, every file is flushed,
+    `MANIFEST.json` goes last, and the folder is renamed to `final` (replacing an older one). On any failure the
+    temporary is removed; a full disk or a read-only place is named (`hint` says what is still safe)."""
+    final = Path(final)
+    make_dir(final.parent, what)
+    clean_temporaries(final.parent, final.name)
+    tmp = temporary(final)
+    try:
+        with named_failures(final, what, hint):
+            tmp.mkdir()
+            write(tmp)
+            for path in tmp.rglob("*"):
+                if path.is_file():
+                    _fsync(path)
+            write_manifest(tmp)
+            replace_dir(tmp, final)
+    except BaseException:
+        _remove(tmp)
+        raise
+    return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a fully written folder `tmp` to `final`, replacing an older one only after the move."""
+    old = final.with_name(final.name + ".old")
+    if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+# -- manifests --------------------------------------------------------------------------------------------------------
 
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -51,14 +270,45 @@ def write_manifest(root: Path) -> dict:
     return manifest
 
 
+def read_object(path: Path, fields: dict[str, type | tuple[type, ...]]) -> dict:
+    """The JSON object in `path`, with each of `fields` present and of its type; `Malformed` naming the file and
+    what is wrong otherwise (a missing file is FileNotFoundError)."""
+    path = Path(path)
+    try:
+        value = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise Malformed(f"{path} is not valid JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise Malformed(f"{path} is malformed: it holds a JSON {type(value).__name__}, not an object")
+    for key, kind in fields.items():
+        if not isinstance(value.get(key), kind) or (isinstance(value.get(key), bool) and kind is not bool):
+            raise Malformed(f"{path} is malformed: {key!r} is {json.dumps(value.get(key))[:60]}, not "
+                            f"{' or '.join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))}")
+    return value
+
+
+def read_manifest(root: Path) -> dict[str, dict]:
+    """`root`'s manifest as {relative path: {"bytes": int, "sha256": hex}}, checked entry by entry (`Malformed`)."""
+    path = Path(root) / MANIFEST
+    files = read_object(path, {"files": dict})["files"]
+    for name, entry in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise Malformed(f"{path} is malformed: {name!r} is not a path inside {root}")
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int) and entry["bytes"] >= 0
+                and isinstance(entry.get("sha256"), str) and re.fullmatch(r"[0-9a-f]{64}", entry["sha256"])):
+            raise Malformed(f"{path} is malformed: the entry of {name!r} is not {{\"bytes\": N, \"sha256\": HEX}}")
+    return files
+
+
 def verify(root: Path) -> list[str]:
     """Problems with `root` against its manifest (empty: intact). Sizes are compared before any hashing."""
     root = Path(root)
     try:
-        files = json.loads((root / MANIFEST).read_text())["files"]
+        files = read_manifest(root)
     except FileNotFoundError:
         return [f"{root / MANIFEST} is missing"]
-    except (ValueError, KeyError, TypeError) as err:
+    except (Malformed, OSError) as err:
         return [f"{root / MANIFEST} is unreadable ({err})"]
     problems = []
     for name, expected in sorted(files.items()):
@@ -72,6 +322,8 @@ def verify(root: Path) -> list[str]:
     return problems
 
 
+# -- locks --------------------------------------------------------------------------------------------------------------
+
 class Locked(RuntimeError):
     """Another live process holds the lock."""
 
@@ -79,26 +331,87 @@ class Locked(RuntimeError):
 _held: dict[Path, int] = {}  # lock file -> open descriptor, for the life of this process
 
 
-def hold(directory: Path, purpose: str = "run") -> Path:
-    """Lock `directory` for this process (idempotent within it); `Locked` if another process holds it."""
-    path = (Path(directory) / ".lock").resolve()
-    if path in _held:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def _open_lock(path: Path, what: str) -> int:
+    make_dir(path.parent, what)
+    with named_failures(path, what):
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _holder(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that did not say which"
+
+
+def _sign(fd: int, purpose: str) -> None:
+    """Name this process in the lock file it holds (what a waiting process prints)."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')} ({purpose})\n".encode(), 0)
+
+
+def _take(fd: int, path: Path, purpose: str, wait: bool, say: Callable[[str], None] | None) -> bool:
+    """flock `fd`; without `wait` False when another process holds it, else say whom we wait for, and wait."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
     except OSError as err:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+    if not wait:
+        return False
+    (say or _print)(f"waiting for {_holder(fd)} to release {path}")
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return True
+
+
+def _print(text: str) -> None:
+    print(text, flush=True)
+
+
+def _inherited(path: Path) -> int | None:
+    """The descriptor of `path` a parent process handed down while holding its lock (`handed_down`), if any."""
+    given = os.environ.get(INHERITED, "")
+    if not given.isdigit():
+        return None
+    try:
+        mine, lock = os.fstat(int(given)), os.stat(path)
+    except OSError:
+        return None
+    return int(given) if (mine.st_dev, mine.st_ino) == (lock.st_dev, lock.st_ino) else None
+
+
+def hold(directory: Path, purpose: str = "run", wait: bool = False, say: Callable[[str], None] | None = None) -> Path:
+    """Lock `directory` for this process (idempotent within it). Another process holding it: `Locked` naming it,
+    or with `wait`, a line saying whom this one waits for (`say`, default print), then the wait."""
+    path = (Path(directory) / LOCK).resolve()
+    if path in _held:
+        return path
+    fd = _inherited(path) if path.exists() else None
+    if fd is not None:  # the parent's lock, which keeps naming the parent (it holds it for as long as this process lives)
+        _held[path] = fd
+        return path
+    fd = _open_lock(path, f"the lock of {directory}")
+    if not _take(fd, path, purpose, wait, say):
+        holder = _holder(fd)
         os.close(fd)
-        if err.errno in (errno.EAGAIN, errno.EACCES):
-            raise Locked(f"{directory} is in use by another {purpose} process ({holder}); wait for it to finish, "
-                         "or choose another directory") from None
-        raise
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        raise Locked(f"{directory} is in use by another {purpose} process ({holder}); wait for it to finish, "
+                     "or choose another directory")
+    _sign(fd, purpose)
     _held[path] = fd
     return path
+
+
+def handed_down(directory: Path) -> tuple[dict[str, str], tuple[int, ...]]:
+    """(environment, descriptors) that pass this process's lock of `directory` (`hold`) on to a child process
+    (`subprocess.Popen(env=..., pass_fds=...)`): the child's `hold` of the same directory then succeeds while
+    this process keeps it locked, and nobody else can take it in between."""
+    fd = _held[(Path(directory) / LOCK).resolve()]
+    return {INHERITED: str(fd)}, (fd,)
+
+
+def release(directory: Path) -> None:
+    """Drop this process's lock of `directory`, if it holds one."""
+    fd = _held.pop((Path(directory) / LOCK).resolve(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def release_all() -> None:
@@ -108,13 +421,14 @@ def release_all() -> None:
 
 
 @contextmanager
-def exclusive(path: Path):
-    """Block until this process alone holds `path` (a lock file), e.g. while one process fills a cache entry."""
+def exclusive(path: Path, purpose: str = "a cache entry", say: Callable[[str], None] | None = None):
+    """Hold the lock file `path` for the block, e.g. while this process fills a cache entry; a process that finds it
+    held says whom it waits for (`say`, default print: the holder's pid, host and start time) and waits."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open_lock(path, f"the lock for {purpose}")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _take(fd, path, purpose, True, say)
+        _sign(fd, purpose)
         yield
     finally:
         os.close(fd)

@@ -1,21 +1,23 @@
-"""Run directories: provenance, metrics (jsonl + TensorBoard), atomic writes, seeding."""
+"""Run directories: provenance, metrics (jsonl + TensorBoard), JSON that is always valid JSON, seeding.
+
+Every file goes through `smd_cli.integrity` (atomic, its failures named). A non-finite number (NaN, inf) is
+written as `null` under its key, never as bare `NaN`, which is not JSON."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import random
-import shutil
 import subprocess
 import sys
-import tempfile
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from smd_cli.integrity import write_file
 
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "rouge-score", "rich", "safetensors", "smd")
 
@@ -50,24 +52,34 @@ def package_versions() -> dict[str, str]:
 
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename, so readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_file(path, text)
+
+
+def to_json(obj: Any, **kwargs) -> str:
+    """`obj` as strict JSON: tensors as numbers or lists, paths as text, and NaN or infinity as null."""
+    return json.dumps(plain(obj), allow_nan=False, **kwargs)
 
 
 def write_json(path: Path, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    write_file(path, to_json(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _jsonable(x: Any) -> Any:
+def plain(x: Any) -> Any:
+    """`x` in JSON's own types (non-finite floats: None); TypeError naming anything else."""
+    if isinstance(x, dict):
+        return {k if isinstance(k, str) else str(k): plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [plain(v) for v in x]
     if isinstance(x, torch.Tensor):
-        return x.item() if x.numel() == 1 else x.tolist()
+        return plain(x.item() if x.numel() == 1 else x.tolist())
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
     if isinstance(x, Path):
         return str(x)
+    if hasattr(x, "item") and getattr(x, "size", 2) == 1:  # a numpy scalar
+        return plain(x.item())
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
 
 
@@ -92,7 +104,7 @@ def read_jsonl(path: Path, torn_tail_ok: bool = False) -> list[dict]:
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    write_atomic(path, "".join(json.dumps(r, default=_jsonable) + "\n" for r in rows))
+    write_file(path, "".join(to_json(r) + "\n" for r in rows))
 
 
 def write_provenance(run_dir: Path, config: dict, overrides: list[str], repo: Path, extra: dict | None = None) -> None:
@@ -119,9 +131,8 @@ class MetricsLog:
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(to_json({"step": step, **metrics}) + "\n")
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -130,21 +141,3 @@ class MetricsLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
-
-
-def _finite_or_none(v):
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    return v
-
-
-def replace_dir_atomic(tmp: Path, final: Path) -> None:
-    """Move a fully written directory `tmp` to `final`, replacing an older one only after the move."""
-    old = final.with_name(final.name + ".old")
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    if old.exists():
-        shutil.rmtree(old)

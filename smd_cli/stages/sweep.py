@@ -9,7 +9,9 @@ that the same run asked for twice is one directory. Members are launched by `hyd
 after another, streamed to this terminal; `joblib`: in parallel local processes; `submitit_slurm`: SLURM
 jobs); each is a `smd train` process in its own directory (`resume=true`: an interrupted member continues
 from its last checkpoint), its output kept in `console.log` and its outcome in `member.json`. A member
-that fails is an outcome, never an exception: the others go on.
+that fails is an outcome, never an exception: the others go on. The launcher's task locks the member's
+directory before it writes anything there and hands the lock down to its `smd train`: two sweeps sharing a
+runs directory run a shared member once (the second waits, saying for whom, then reuses the result).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli import lifetime
+from smd_cli import integrity, lifetime
 from smd_cli.io import write_json
 from smd_cli.stages.common import ROOT, ConfigError
 from smd_cli.stages.rules import check_config
@@ -198,10 +200,16 @@ OUTCOMES = {"completed": "ok", "collapsed": "collapsed"}  # a train run's summar
 def finished(run_dir: Path, member: Member) -> bool:
     """Whether `run_dir` holds this member's finished run (its outcome recorded, its summary complete): completed,
     or collapsed (a result too: run again, it would collapse again)."""
+    return _finished(run_dir, member.identity) is not None
+
+
+def _finished(run_dir: Path, identity: str) -> dict | None:
+    """The `member.json` of the finished run of the member `identity` in `run_dir`, else None."""
     record, _ = read_json(run_dir / "member.json")
     summary, _ = read_json(run_dir / "summary.json")
-    return (record.get("identity") == member.identity and record.get("status") in OUTCOMES.values()
+    done = (record.get("identity") == identity and record.get("status") in OUTCOMES.values()
             and OUTCOMES.get(summary.get("status")) == record.get("status"))
+    return record if done else None
 
 
 def member_command(overrides: list[str], run_dir: Path) -> list[str]:
@@ -211,7 +219,8 @@ def member_command(overrides: list[str], run_dir: Path) -> list[str]:
 
 def run_member(cfg: DictConfig) -> dict:
     """The launcher's task: run one member as a `smd train` process in its directory (the job's output dir) and
-    record its outcome in `member.json`. Never raises: a failure is an outcome."""
+    record its outcome in `member.json`. Never raises: a failure is an outcome. The directory is locked first
+    (another sweep running this member: wait for it, then reuse its result), before anything is written."""
     sweep = os.environ.get(SWEEP_PID)
     if sweep and sweep.isdigit() and int(sweep) != os.getpid():  # a launcher's worker process (joblib): die with the sweep
         lifetime.watch_parent(int(sweep))
@@ -219,11 +228,27 @@ def run_member(cfg: DictConfig) -> dict:
     run_dir = Path(job.runtime.output_dir)
     overrides, identity = list(job.overrides.task), config_identity(cfg)
     stream = str(job.launcher.get("_target_", "")).endswith("BasicLauncher")  # one at a time: show it as it runs
-    (run_dir / "summary.json").unlink(missing_ok=True)  # a previous attempt's result is not this run's
     started = time.time()
+    try:
+        integrity.hold(run_dir, "smd ablate member", wait=True, say=lambda text: print(f"ablate: {run_dir.name}: {text}", flush=True))
+    except (integrity.Unwritable, OSError) as err:  # nothing can be written there, member.json included
+        return {"identity": identity, "overrides": overrides, "status": "failed", "returncode": None, "error": str(err)}
+    try:
+        again = _finished(run_dir, identity)
+        if again is not None:  # run to the end by the sweep this one waited for
+            print(f"ablate: {run_dir.name}: finished by another sweep meanwhile; its result is reused", flush=True)
+            return again
+        return _run_locked(run_dir, overrides, identity, stream, started)
+    finally:
+        integrity.release(run_dir)
+
+
+def _run_locked(run_dir: Path, overrides: list[str], identity: str, stream: bool, started: float) -> dict:
+    """`run_member`'s work once it holds the member's directory."""
+    (run_dir / "summary.json").unlink(missing_ok=True)  # a previous attempt's result is not this run's
     command = member_command(overrides, run_dir)
     try:
-        returncode, output = run_logged(command, run_dir / "console.log", stream)
+        returncode, output = run_logged(command, run_dir / "console.log", stream, locked=run_dir)
     except OSError as err:
         returncode, output = 127, f"error: could not start {command[0]}: {err}"
     summary, unreadable = read_json(run_dir / "summary.json")
@@ -241,15 +266,18 @@ def run_member(cfg: DictConfig) -> dict:
     return record
 
 
-def run_logged(command: list[str], log: Path, stream: bool) -> tuple[int, str]:
+def run_logged(command: list[str], log: Path, stream: bool, locked: Path | None = None) -> tuple[int, str]:
     """Run `command` with its stdout and stderr both written to `log` as they come (and to ours when `stream`);
-    (exit status, the last OUTPUT_TAIL bytes of its stderr, where its error is)."""
+    (exit status, the last OUTPUT_TAIL bytes of its stderr, where its error is). `locked`: a directory this
+    process holds (`integrity.hold`), whose lock the command inherits."""
     import selectors
 
-    log.parent.mkdir(parents=True, exist_ok=True)
+    integrity.make_dir(log.parent, "a run's console.log")
+    env, fds = integrity.handed_down(locked) if locked is not None else ({}, ())
     tail = bytearray()
     with log.open("wb") as sink:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lifetime.child_env())
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lifetime.child_env({**os.environ, **env}),
+                                pass_fds=fds)
         ours = {proc.stdout: sys.stdout, proc.stderr: sys.stderr}
         selector = selectors.DefaultSelector()
         for pipe in ours:
