@@ -10,8 +10,8 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from rich.table import Table
 from smd_cli import distributed, integrity, models, weights
 from smd_cli.attention import use_smd_attention
 from smd_cli.corrections.base import Correction
-from smd_cli.io import replace_dir_atomic, seed_everything, write_json, write_provenance
+from smd_cli.io import seed_everything, to_json, write_json, write_provenance
 from smd_cli.tasks.loading import PromptTooLong
 from smd_cli.warmstart import warm_start
 
@@ -136,6 +136,8 @@ def lock_run_dir(run_dir: Path) -> None:
         integrity.hold(run_dir, "smd")
     except integrity.Locked as err:
         raise ConfigError(str(err)) from None
+    except integrity.Unwritable as err:
+        raise ConfigError(f"the run directory {run_dir} is not allowed: {err}") from None
 
 
 def check_context(cfg: DictConfig) -> None:
@@ -243,8 +245,11 @@ def model_source(cfg: DictConfig) -> tuple[str | None, weights.Weights]:
     key = (str(m.name_or_path), json.dumps(gguf, sort_keys=True), str(cache_dir), source)
     if key not in _SOURCES:
         try:
-            _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cache_dir, source, progress=cfg.get("progress", True))
-        except (weights.WeightsUnavailable, ValueError) as err:
+            with cache_errors(cfg):
+                _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cache_dir, source, progress=cfg.get("progress", True))
+        except ConfigError:
+            raise
+        except (weights.WeightsUnavailable, ValueError) as err:  # a malformed weights.json (integrity.Malformed) too
             raise ConfigError(f"model={m.get('name')} (model.name_or_path={m.name_or_path!r}): {err}") from err
     return _SOURCES[key]
 
@@ -328,23 +333,45 @@ def _warm_started(cfg: DictConfig, model, tokenizer, task, progress: bool):
     key = json.dumps({"model": weights, "task": to_dict(cfg.task), "seed": cfg.seed}, sort_keys=True)
     path = Path(cfg.cache_dir) / "warmstart" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if distributed.size() == 1:
-        return _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
+        with cache_errors(cfg):
+            return _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
 
     def on_rank_0() -> None:
-        _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
+        with cache_errors(cfg):
+            _cached_warm_start(cfg, model, tokenizer, task, progress, key, path)
 
     distributed.from_main(on_rank_0)
     return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
 
 
+@contextmanager
+def cache_errors(cfg: DictConfig):
+    """A cache folder that cannot be written (`integrity.Unwritable`: read-only, a file) as a config error naming the
+    key that chose it: `cache_dir`, or the SMD_CACHE_DIR it defaults to."""
+    try:
+        yield
+    except integrity.Unwritable as err:
+        value = cfg.get("cache_dir") or os.environ.get("SMD_CACHE_DIR", ".cache/smd")
+        key = "cache_dir" + (" (from SMD_CACHE_DIR)" if value == os.environ.get("SMD_CACHE_DIR") else "")
+        raise ConfigError(f"{key}={value!r} is not allowed: {err}; point cache_dir (or SMD_CACHE_DIR) at a writable folder") from None
+
+
+def _reuse_warm_start(path: Path, dtype):
+    console.print(f"warm start: reusing {path}", soft_wrap=True)
+    return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True))
+
+
 def _cached_warm_start(cfg: DictConfig, model, tokenizer, task, progress: bool, key: str, path: Path):
-    """The warm start cached at `path` (verified), or trained now on `model` and published there atomically."""
-    with integrity.exclusive(path.with_name(f".{path.name}.lock")):  # concurrent runs: one builds, the others wait
+    """The warm start cached at `path` (verified, read without a lock: a read-only cache serves), or trained now on
+    `model` and published there atomically (`integrity.write_dir`) by one process while the others wait."""
+    if path.is_dir() and not integrity.verify(path):
+        return _reuse_warm_start(path, model.dtype)
+    say = lambda text: console.print(f"warm start: {text}", soft_wrap=True, markup=False)  # noqa: E731
+    with integrity.exclusive(path.with_name(f".{path.name}.lock"), f"warm-starting {path}", say):
         if path.is_dir():
             problems = integrity.verify(path)
-            if not problems:
-                console.print(f"warm start: reusing {path}", soft_wrap=True)
-                return use_smd_attention(Qwen3ForCausalLM.from_pretrained(path, dtype=model.dtype, use_safetensors=True))
+            if not problems:  # trained by the process this one waited for
+                return _reuse_warm_start(path, model.dtype)
             console.print(f"[yellow]warning:[/yellow] the cached warm start {path} is broken ({'; '.join(problems[:3])}); "
                           "rebuilding it", soft_wrap=True)
             shutil.rmtree(path)
@@ -356,12 +383,13 @@ def _cached_warm_start(cfg: DictConfig, model, tokenizer, task, progress: bool, 
                 raise ConfigError(f"model.warmstart.task: {_root_cause(err)}") from None
         stats = warm_start(model, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr,
                            label_smoothing=ws.get("label_smoothing", 0.0), progress=progress)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
         hf_logging.disable_progress_bar()
-        model.save_pretrained(tmp)
-        (tmp / "warmstart.json").write_text(json.dumps({**stats, "config": json.loads(key)}, indent=2))
-        integrity.write_manifest(tmp)
-        replace_dir_atomic(tmp, path)
+
+        def write(tmp: Path) -> None:
+            model.save_pretrained(tmp)
+            integrity.write_file(tmp / "warmstart.json", to_json({**stats, "config": json.loads(key)}, indent=2))
+
+        integrity.write_dir(path, write, "the warm start")
     console.print(f"warm start: {ws.steps} steps, loss {stats['warmstart/loss']:.3f}", soft_wrap=True)
     console.print(f"warm start cached at {path}", soft_wrap=True)
     return model

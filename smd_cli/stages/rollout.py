@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 
 from smd_cli.evaluation import evidence_kept
+from smd_cli.integrity import write_file
 from smd_cli.io import write_json, write_jsonl
 from smd_cli.losses import mismatch_stats, token_logprobs
 from smd_cli.physical import physical_response_logits
@@ -73,8 +74,9 @@ def save_rollouts(run_dir, batch: RolloutBatch, examples, rewards, texts, num_ge
         tensors["evict_at"] = batch.evict_at  # [N, L, Hkv, T] int32, DESIGN.md section 2
     if batch.sampling_cut is not None:
         tensors["sampling_cut"] = batch.sampling_cut  # [N, R] float32: the top-k / top-p support (smd_cli/sampling.py)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(run_dir / "shadow_masks.safetensors"),
-              metadata={"prompt_length": str(batch.prompt_length)})
+    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_file(run_dir / "shadow_masks.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"prompt_length": str(batch.prompt_length)}),
+               "the shadow masks")
 
 
 def run(cfg: DictConfig) -> dict:
