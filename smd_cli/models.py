@@ -92,6 +92,11 @@ def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.
     return use_smd_attention(model)
 
 
+def hub_config(name_or_path: str, trust_remote_code: bool, config_overrides: dict | None = None):
+    """The checkpoint's config.json with `config_overrides` over it, without its weights."""
+    return AutoConfig.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, **dict(config_overrides or {}))
+
+
 def load_hub_model(name_or_path: str, dtype: str, trust_remote_code: bool, random_init: bool, config_overrides: dict | None = None):
     """A Hub (or local) causal LM in `dtype`, with the smd attention; `random_init` builds the architecture
     with random weights (downloading only its config.json)."""
@@ -107,30 +112,62 @@ def load_hub_model(name_or_path: str, dtype: str, trust_remote_code: bool, rando
 
 DECODER_LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")  # what smd_cli.scoring runs layer by layer
 
+# The decoder families (transformers `model_type`) whose layer-by-layer learner is the sampler's policy: each one,
+# built from a tiny random config (1 layer, GQA 4/2, its embedding, residual, attention and logit multipliers moved
+# off 1), gives the sampler's log-probs within 1e-6 when its evicting rollout is replayed (one learner step at lr 0;
+# tests/test_architecture_allowlist.py holds the list to that). Measured on transformers 5.24 over every family it
+# ships that has the decoder layout and full causal attention; the others are refused by name (`unreplayable`).
+REPLAYED = frozenset({
+    "apertus", "apertus1p5_text", "arcee", "aria_text", "bitnet", "cwm", "ernie4_5", "ernie4_5_moe", "exaone", "flex_olmo",
+    "gemma", "glm", "glm4", "glm4_moe", "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "internlm3", "iquestcoder",
+    "jais2", "llama", "minimax_m2", "ministral3", "mixtral", "olmo", "olmo2", "olmoe", "phi3", "phimoe", "qwen2", "qwen2_moe",
+    "qwen3", "qwen3_moe", "sarvam_moe", "smollm3", "solar_open", "starcoder2",
+})
+# Families with the decoder layout whose learner measurably is not the sampler's policy (the same one-step check):
+# what their forward does outside the layers the learner runs one by one.
+NOT_REPLAYED = {
+    "cohere": "it scales its logits (logit_scale) outside the LM head",
+    "granite": "it scales its embeddings and logits (embedding_multiplier, logits_scaling) outside the layers",
+    "granitemoe": "it scales its embeddings and logits (embedding_multiplier, logits_scaling) outside the layers",
+    "granitemoeshared": "it scales its embeddings and logits (embedding_multiplier, logits_scaling) outside the layers",
+    "hyperclovax": "it scales its embeddings and logits (embedding_multiplier, logits_scaling) outside the layers",
+    "nanochat": "it soft-caps its logits (final_logit_softcapping) outside the LM head",
+    "diffllama": "its differential attention does not go through the attention interface the shadow mask replaces",
+}
 
-def unreplayable(model) -> str | None:
-    """Why the engine cannot roll out and replay `model`, or None when it can.
 
-    The engine serves decoder-only models whose backbone has the usual layout (`DECODER_LAYOUT`: the learner
-    runs the layers one by one to share a prompt between its samples) and whose every layer attends to all
-    earlier positions through transformers' attention interface: Llama, Qwen2 and Qwen3 (tested with tiny
-    random configs). A sliding window or alternating local/global layers (Mistral, Gemma 2/3, Qwen2 with
-    `use_sliding_window`) would need the window in the shadow mask, which it does not encode."""
-    config = model.config
-    backbone = getattr(model, "base_model", None)
-    missing = [name for name in DECODER_LAYOUT if not hasattr(backbone, name)]
-    if missing:
-        return (f"its backbone ({type(backbone).__name__}) lacks {', '.join(missing)} of the decoder layout the learner "
-                f"replays layer by layer ({', '.join(DECODER_LAYOUT)})")
+def unsupported(config) -> str | None:
+    """Why the engine cannot serve a model of `config` (a transformers config, read before any weight is loaded or
+    warm-started), or None: sliding-window or alternating attention, a family off the allow-list (`REPLAYED`), or
+    a config without the head counts."""
     kinds = sorted(set(getattr(config, "layer_types", None) or ()) - {"full_attention"})
     window = getattr(config, "sliding_window", None)
     if kinds or (window and getattr(config, "use_sliding_window", True) and not getattr(config, "layer_types", None)):
         what = f"layer types {kinds}" if kinds else f"sliding_window={window}"
         return (f"it has sliding-window or alternating attention ({what}); the shadow mask encodes evictions of full causal "
                 "attention only (Llama, Qwen2 and Qwen3 without a sliding window are supported)")
+    kind = getattr(config, "model_type", None)
+    if kind not in REPLAYED:
+        why = NOT_REPLAYED.get(kind, "it is not among the families whose shadow replay was measured to give the sampler's "
+                                     "log-probs")
+        return (f"{why}, so the layer-by-layer learner would not be the sampler's policy (SMD's parity broken); "
+                f"supported model_type: {', '.join(sorted(REPLAYED))} (smd_cli.models.REPLAYED)")
     if not all(hasattr(config, key) for key in ("num_hidden_layers", "num_key_value_heads", "num_attention_heads")):
         return "its config does not name num_hidden_layers, num_attention_heads and num_key_value_heads"
     return None
+
+
+def unreplayable(model) -> str | None:
+    """Why the engine cannot roll out and replay `model`, or None when it can: `unsupported(model.config)`, or a
+    backbone without the usual layout (`DECODER_LAYOUT`: the learner runs the layers one by one to share a prompt
+    between its samples). A sliding window or alternating local/global layers (Mistral, Gemma 2/3, Qwen2 with
+    `use_sliding_window`) would need the window in the shadow mask, which it does not encode."""
+    backbone = getattr(model, "base_model", None)
+    missing = [name for name in DECODER_LAYOUT if not hasattr(backbone, name)]
+    if missing:
+        return (f"its backbone ({type(backbone).__name__}) lacks {', '.join(missing)} of the decoder layout the learner "
+                f"replays layer by layer ({', '.join(DECODER_LAYOUT)})")
+    return unsupported(model.config)
 
 
 def enable_checkpointing(model) -> None:

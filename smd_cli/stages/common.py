@@ -140,16 +140,86 @@ def lock_run_dir(run_dir: Path) -> None:
         raise ConfigError(f"the run directory {run_dir} is not allowed: {err}") from None
 
 
-def check_context(cfg: DictConfig) -> None:
-    """Prompt plus response must fit the model's positions: said at once, not after a warm start or a download."""
+def check_context(cfg: DictConfig, response: bool = True) -> None:
+    """What the model can serve, said at once (before a download of weights, a warm start or an allocation): its
+    architecture (`check_supported`, from its config alone), and prompt plus response within its positions, for
+    every model (the checkpoint's config.json for `model=hub`), counted from the real encoded prompt (the chat
+    template and the task's own words included) after the nominal size (`task.prompt_tokens`) is checked first,
+    so that a huge one is refused before anything is generated. `response=False`: the prompt alone (`smd train`
+    plans its memory between the two)."""
     t, m = cfg.task, cfg.model
-    prompt = t.get("prompt_tokens") or t.get("max_prompt_tokens")
+    config, limit = model_config(cfg)
+    if config is not None:
+        check_supported(config, m.get("name"))
+    if not limit:
+        return
+    new, new_key = response_tokens(cfg) if response else (0, "")
+    key = "task.prompt_tokens" if t.get("prompt_tokens") else "task.max_prompt_tokens"
+    nominal = t.get("prompt_tokens") or t.get("max_prompt_tokens")
+    where = f"model={m.name}'s {limit} positions (max_position_embeddings)"
+    if isinstance(nominal, int) and nominal + new > limit:
+        raise ConfigError(f"{key}={nominal} is not allowed: {f'with {new_key}={new} ' if new else ''}it exceeds {where}")
+    task = build_task(cfg)
+    if hasattr(task, "example"):  # a generated prompt: its real length, chat template included
+        prompt = len(encode_prompt(task, task.example(task.train_split, 0), load_tokenizer(cfg)))
+        if prompt + new > limit:
+            raise ConfigError(f"{key}={nominal} is not allowed: its prompts encode to {prompt} tokens (chat template and the "
+                              f"task's words included), which {f'with {new_key}={new} ' if new else ''}exceed {where}")
+
+
+def response_tokens(cfg: DictConfig) -> tuple[int, str]:
+    """(the longest response the stage generates, the key that sets it): `sampling.max_new_tokens` (train, rollout,
+    check-parity), `eval.max_new_tokens` (eval) or `task.max_new_tokens`."""
+    for key in ("sampling.max_new_tokens", "eval.max_new_tokens", "task.max_new_tokens"):
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, int):
+            return value, key
+    return 0, "task.max_new_tokens"
+
+
+def model_config(cfg: DictConfig):
+    """(the model's transformers config or None, its positions or None), read without loading a weight: the tiny
+    architecture from `model.config`; a checkpoint's published fields (`model.architecture`, read offline: its
+    config is then checked when the model loads); else the checkpoint's config.json."""
+    m = cfg.model
     fields = {**dict(m.get("architecture") or {}), **dict(m.get("config") or {})}
-    limit = fields.get("max_position_embeddings") or (models.tiny_config().max_position_embeddings if m.name_or_path is None else None)
-    if isinstance(prompt, int) and limit and prompt + t.max_new_tokens > limit:
-        key = "task.prompt_tokens" if t.get("prompt_tokens") else "task.max_prompt_tokens"
-        raise ConfigError(f"{key}={prompt} is not allowed: with task.max_new_tokens={t.max_new_tokens} it exceeds model={m.name}'s "
-                          f"{limit} positions (model.config.max_position_embeddings)")
+    if m.name_or_path is None:
+        vocabulary = len(load_tokenizer(cfg))
+        fields = {"vocab_size": vocabulary, **fields}
+        check_architecture(cfg, fields, vocabulary)
+        config = tiny_architecture(cfg, fields)
+        return config, config.max_position_embeddings
+    if fields.get("max_position_embeddings"):
+        return None, fields["max_position_embeddings"]
+    config = checkpoint_config(cfg)
+    return config, getattr(config, "max_position_embeddings", None)
+
+
+def tiny_architecture(cfg: DictConfig, fields: dict):
+    """`models.tiny_config(**fields)`; a config transformers refuses is a ConfigError naming `model.config`."""
+    try:
+        return models.tiny_config(**fields)
+    except Exception as err:  # transformers' own checks of a config (rope, activation names, ...)
+        raise ConfigError(f"model.config of model={cfg.model.name} is not allowed: transformers cannot build it "
+                          f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
+
+
+def checkpoint_config(cfg: DictConfig):
+    """The config.json of `cfg.model`'s checkpoint with `model.config` over it (no weights loaded)."""
+    m = cfg.model
+    path, _ = model_source(cfg)
+    try:
+        return models.hub_config(path, m.trust_remote_code, dict(m.config or {}))
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"model.name_or_path={m.name_or_path!r}: could not read its config.json ({err})") from err
+
+
+def check_supported(config, name) -> None:
+    """A config error naming the architecture when the engine cannot serve a model of `config` (`models.unsupported`)."""
+    reason = models.unsupported(config)
+    if reason:
+        arch = ", ".join(getattr(config, "architectures", None) or [type(config).__name__.replace("Config", "ForCausalLM")])
+        raise ConfigError(f"model={name} ({arch}, model_type {config.model_type!r}) is not supported: {reason}")
 
 
 def build_task(cfg: DictConfig):
@@ -289,16 +359,15 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     if m.name_or_path is None:
         fields = {"vocab_size": len(tokenizer), **dict(m.config or {})}  # an architecture's own vocabulary wins
         check_architecture(cfg, fields, len(tokenizer))
-        try:
-            model = models.build_tiny_model(fields.pop("vocab_size"), seed=cfg.seed, dtype=dtype, device=device, **fields)
-        except Exception as err:  # transformers' own checks of a config (rope, activation names, ...)
-            raise ConfigError(f"model.config of model={m.name} is not allowed: transformers cannot build it "
-                              f"({type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''})") from None
+        check_supported(tiny_architecture(cfg, fields), m.get("name"))  # before the warm start
+        model = models.build_tiny_model(fields.pop("vocab_size"), seed=cfg.seed, dtype=dtype, device=device, **fields)
+        check_replayable(model, m.get("name"))
         # The warm start is for the generated tasks; the tiny model is a smoke test on the paper's datasets.
         if m.get("warmstart") and m.warmstart.steps > 0 and hasattr(task, "example"):
             model = _warm_started(cfg, model, tokenizer, task, progress)
     else:
         path, _ = model_source(cfg)
+        check_supported(checkpoint_config(cfg), m.get("name"))  # before its weights are read
         try:
             model = models.load_hub_model(path, name, m.trust_remote_code, m.random_init, dict(m.config or {}))
         except OSError as err:

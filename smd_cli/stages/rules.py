@@ -199,6 +199,8 @@ RULES: dict[str, Rule] = {
     "log_every": integer(1, "(every step is logged; kept for old configs)"),
     "resume": Rule(_resume, "true, false, or a run directory"),
     "guard.collapse_steps": integer(0, "(0: no collapse guard)"),
+    "guard.parity_bound": real(0, low_open=True, text="a finite number > 0 (the largest |log p_learner - log p_sampler|)",
+                               null="check-parity's 1e-5 in float32, not judged in half precision"),
     "checkpoint.every": integer(0, "(0: only at the end)"),
     "checkpoint.keep_last": integer(1, null="keep all"),
     "grpo.prompts_per_step": integer(1),
@@ -326,6 +328,11 @@ RULES: dict[str, Rule] = {
     "cost": mapping("a mapping scale -> the cost model's seconds"),
     "parity_check": mapping("a mapping scale -> smd check-parity overrides"),
 }
+# GRPO learns from the differences within a group: top_k=1 draws the most probable token every time, so every sample
+# of a group is the same, every advantage 0 and no step has a gradient (a rollout or an evaluation may sample greedily)
+RULES["train:sampling.top_k"] = Rule(lambda v: RULES["sampling.top_k"](v) and v != 1, RULES["sampling.top_k"].allowed + "; and "
+                                     "not 1 for GRPO: top_k=1 samples the most probable token every time, so every sample of a group "
+                                     "is the same, every advantage 0 and no step has a gradient")
 PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also matches dots: the longer ones first)
     "model.config.vocab_size": FIELD_INT,
     "model.config.hidden_size": FIELD_INT, "model.config.intermediate_size": FIELD_INT,

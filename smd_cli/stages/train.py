@@ -40,12 +40,15 @@ from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
-from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_offload, check_prompts, console,
-                                  encode_prompt, load_examples, load_model, load_tokenizer, optimizer_factory, pick_device,
-                                  record_weights, start_run)
+from smd_cli.parity import ParityFailed
+from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_context, check_offload,
+                                  check_prompts, compute_dtype, console, encode_prompt, load_examples, load_model, load_tokenizer,
+                                  optimizer_factory, pick_device, record_weights, start_run)
+from smd_cli.stages.plan import check_fits
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
                                        stop_diverged)
+from smd_cli.stages.train_parity import ParityGuard
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
@@ -185,6 +188,9 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
     distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
+    check_context(cfg, response=False)  # the architecture, and a prompt within the model's positions, before anything is sized
+    check_fits(cfg, pick_device(cfg), distributed.size())  # the planner's step against this machine's memory
+    check_context(cfg)  # prompt and response within the model's positions
     resume_from = distributed.from_main(find_resume, cfg)  # verified and config-checked before any model is built
     run_ = start_run(cfg)
     main = distributed.is_main()
@@ -233,6 +239,7 @@ def run(cfg: DictConfig) -> dict:
     last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
     mem = PhaseMemory(run_.device)
     guard, stopped = CollapseGuard(cfg.guard.collapse_steps, history), None  # a resumed run judges its whole history
+    parity = ParityGuard.of(cfg, compute_dtype(cfg, run_.device), distributed.size())
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
@@ -243,6 +250,9 @@ def run(cfg: DictConfig) -> dict:
             bar.update(job, description=f"{algo.name}: rollout")
             with mem.phase("rollout"), distributed.gathered(root), offloaded(offload):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
+            parity.judge(model, batch)  # a miss of the step before, on this rollout (drawn at the weights the learner scores)
+            if parity.broken:
+                break
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
@@ -264,6 +274,7 @@ def run(cfg: DictConfig) -> dict:
             last = metrics
             state["seconds"] += distributed.largest(time.perf_counter() - t0)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
+            parity.observe(step + 1, metrics)
             stopped = guard.after_step(step + 1, metrics)  # a certain collapse: stop, and evaluate what is left
             if stopped is not None:
                 break
@@ -271,25 +282,31 @@ def run(cfg: DictConfig) -> dict:
                 save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
     if log is not None:
         log.close()
-    if stopped is None:  # a collapsed policy's weights are not published as the run's final ones
+    if parity.pending and stopped is None:  # the last step's miss, judged on one more rollout at the final weights
+        parity.judge(model, sample_step(cfg, cfg.steps, model, tokenizer, task, policy, pool, run_.device)[0])
+    if stopped is None and not parity.broken:  # a collapsed policy's (or a broken learner's) weights are not published
         latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
         if latest is None or latest.step != cfg.steps:
             save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
         save_final(run_dir, model, tokenizer, root)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps,
-                    "steps_run": guard.rows[-1]["step"] if guard.rows else start, "status": "completed", "status_reason": guard.note()})
+                    "steps_run": guard.rows[-1]["step"] if guard.rows else start, "status": "completed",
+                    "status_reason": "; ".join(n for n in (guard.note(), parity.note()) if n)})
     record_weights(run_dir, model, summary)
     with distributed.gathered(root):
         summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
     summary.update({f"last/{k}": v for k, v in last.items()})
     before, after = summary.get("eval/reward_before"), summary.get("eval/reward_after")
     found = stopped or guard.at_end((before, after) if isinstance(before, float) and isinstance(after, float) else None)
-    message = collapsed(run_dir, found, summary) if found is not None else None
+    message = collapsed(run_dir, found, summary) if found is not None and not parity.broken else None
+    summary.update(parity.summary())  # a broken learner is the run's status, whatever else happened
     if main:
         summary.update(run_statistics(log.path))
         write_json(run_dir / "summary.json", summary)
         print_summary(summary, run_dir, cfg, eval_policy(cfg))
     distributed.barrier()
+    if parity.broken:
+        raise ParityFailed(f"{parity.broken}; stopped ({run_dir / 'summary.json'}: status parity_broken)")
     if message is not None:
         raise PolicyCollapsed(message)
     return summary

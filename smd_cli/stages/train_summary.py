@@ -62,7 +62,7 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     training.add_row("status", status, style="bold red" if status != "completed" else None)
     console.print(training)
     if summary.get("status_reason"):
-        console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status") == "collapsed" else None,
+        console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status", "completed") != "completed" else None,
                       markup=False, highlight=False, soft_wrap=True)
 
 
