@@ -25,7 +25,7 @@ from transformers.utils import logging as hf_logging
 from rich.console import Console
 from rich.table import Table
 
-from smd_cli import distributed, integrity, models, weights
+from smd_cli import distributed, integrity, model_dir, models, weights
 from smd_cli.attention import use_smd_attention
 from smd_cli.corrections.base import Correction
 from smd_cli.io import seed_everything, to_json, write_json, write_provenance
@@ -314,6 +314,10 @@ def model_source(cfg: DictConfig) -> tuple[str | None, weights.Weights]:
     cache_dir = cfg.get("cache_dir") or os.environ.get("SMD_CACHE_DIR", ".cache/smd")  # prepare-data and plan have no cache_dir key
     key = (str(m.name_or_path), json.dumps(gguf, sort_keys=True), str(cache_dir), source)
     if key not in _SOURCES:
+        local = Path(str(m.name_or_path))
+        if local.is_dir():  # what a local directory lacks is named before transformers reads it (smd_cli.model_dir)
+            problem = model_dir.problem(local, bool(m.get("tokenizer")), bool(m.get("random_init")), bool(m.get("trust_remote_code")))
+            check(problem is None, "model.name_or_path", str(local), problem or "")
         try:
             with cache_errors(cfg):
                 _SOURCES[key] = weights.resolve(str(m.name_or_path), gguf, cache_dir, source, progress=cfg.get("progress", True))
@@ -335,7 +339,7 @@ def load_tokenizer(cfg: DictConfig):
         return models.build_tiny_tokenizer()
     try:
         return models.load_hub_tokenizer(source, m.trust_remote_code)
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: transformers' "couldn't instantiate the backend tokenizer", custom code
         key = "model.tokenizer" if m.tokenizer else "model.name_or_path"
         raise ConfigError(f"{key}={source!r}: could not load its tokenizer ({err})") from err
 
