@@ -120,8 +120,8 @@ def _hidden(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bo
 
 def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool, teacher: bool) -> dict[str, torch.Tensor]:
     """`vocab_terms` of `rows` in the learner's view (dense or the shadow replay), with SMD's dense teacher when
-    `teacher`, over the rollout's sampling support when it truncated one (top-k / top-p): everything one
-    micro-batch's loss needs, from one pass of `model`."""
+    `teacher`, over the sampler's recorded kept token set when it truncated one (top-k / top-p; the same set in
+    every view, whatever its logits): everything one micro-batch's loss needs, from one pass of `model`."""
     dense = None
     if teacher:  # the replay with gradient, and the dense teacher's response rows without
         hidden, dense = shadow_and_teacher_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
@@ -129,9 +129,9 @@ def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bo
     else:
         hidden = _hidden(model, batch, rows, algo, shadow)
     tokens = batch.input_ids[rows, batch.prompt_length:]
-    cut = None if batch.sampling_cut is None else batch.sampling_cut[rows]  # top-k / top-p: the sampler's own support
+    support = None if batch.sampling_support is None else batch.sampling_support.rows(rows)  # top-k / top-p: the sampler's kept set
     return vocab_terms(model.get_output_embeddings(), hidden, tokens, batch.response_mask[rows], algo.temperature, dense, algo.logits_chunk,
-                       cut)
+                       support)
 
 
 def _runner(model):

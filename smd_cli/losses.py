@@ -14,7 +14,7 @@ import math
 import torch
 
 from smd_cli.distributed import largest, total
-from smd_cli.sampling import truncated_logprob
+from smd_cli.sampling import token_logprobs  # noqa: F401 (the log-prob formula the sampler and the learner share)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-4) -> torch.Tensor:
@@ -203,18 +203,3 @@ def trm_keep(logp_old: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Ten
     stats = _masking_stats(keep.to(weights.dtype), valid & ~keep, valid)
     stats["rollout_corr/k2_max"] = max(_max(k2[valid]), 0.0)
     return weights, keep.to(mask.dtype), stats
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, cut: torch.Tensor | None = None) -> torch.Tensor:
-    """log_softmax(logits / temperature) at `tokens`: [B, R] float32 (temperature 0, greedy, counts as 1); with
-    `cut` [B, R] (a rollout's `sampling_cut`) the log-prob under each token's truncated sampling support.
-
-    For logits that already exist (small models, the physical learner); the learner scores through
-    `smd_cli.scoring.vocab_terms`, which never holds [B, R, V]."""
-    scale = 1.0 if temperature == 0 else float(temperature)
-    logits = logits if logits.dtype == torch.float64 else logits.float()
-    logp = torch.log_softmax(logits / scale, dim=-1)
-    if cut is not None:
-        flat = truncated_logprob(logp.reshape(-1, logp.shape[-1]), cut.reshape(-1), tokens.long().reshape(-1))
-        return flat.view(tokens.shape)
-    return logp.gather(-1, tokens.long()[..., None]).squeeze(-1)

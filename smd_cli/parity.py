@@ -3,8 +3,8 @@
 RL frameworks check that the learner scores a rollout as the sampler did by taking a training step that changes
 nothing (learning rate 0) and comparing its log-probs with the sampler's (prime-rl's check requires a mismatch
 KL under 0.015; ../shared/REFERENCES.md section 9). Here each learner view of one evicting rollout is compared
-with the sampler's log-probs on every real response token (over the sampling support when top-k / top-p
-truncated it):
+with the sampler's log-probs on every real response token (over the sampler's recorded kept token set when top-k /
+top-p truncated it, in every view):
 - `shadow`: `learner_step` at lr = 0 with the shadow replay (SMD's view): must equal the sampler;
 - `dense`: `learner_step` at lr = 0 with the dense view: the mismatch a dense learner trains with (reported,
   not judged);
@@ -28,9 +28,10 @@ import torch
 
 from smd_cli.corrections.none import NoCorrection
 from smd_cli.learner import Algorithm, learner_step
-from smd_cli.losses import mismatch_stats, token_logprobs
+from smd_cli.losses import mismatch_stats
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch
+from smd_cli.sampling import token_logprobs
 from smd_cli.scoring import response_hidden, vocab_terms
 
 JUDGED = ("shadow", "physical")  # the float32 views that must give the sampler's log-probs within the bound
@@ -75,14 +76,14 @@ def learner_at_lr_zero(model, batch: RolloutBatch, view: str, settings: Settings
 def physical_view(model, batch: RolloutBatch, temperature: float) -> dict[str, float]:
     tokens = batch.input_ids[:, batch.prompt_length:]
     logits = physical_response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
-    return _stats(token_logprobs(logits, tokens, temperature, batch.sampling_cut), batch)
+    return _stats(token_logprobs(logits, tokens, temperature, batch.sampling_support), batch)
 
 
 @torch.no_grad()
 def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None) -> torch.Tensor:
     hidden = response_hidden(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at, "sdpa")
     return vocab_terms(model.get_output_embeddings(), hidden, batch.input_ids[:, batch.prompt_length:], batch.response_mask,
-                       temperature, chunk=logits_chunk, cut=batch.sampling_cut)["logp"]
+                       temperature, chunk=logits_chunk, support=batch.sampling_support)["logp"]
 
 
 def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None) -> dict[str, float]:

@@ -4,10 +4,11 @@
 every forward carries a `RolloutState`, so the model's attention runs the evicting rollout
 (`smd_cli.rollout_attention`): each layer attends, then the policy evicts from that layer's `EvictingCache` (evict after the attention has run), and the evictions are
 written into the shadow mask `evict_at[N, L, Hkv, T]` (DESIGN.md section 2). Without a policy it is a
-plain dense rollout on a `DynamicCache`. The sampler's log-probs are those of the distribution it drew from:
-`log_softmax(logits / temperature)` at the sampled token, or with `top_k` / `top_p` that distribution restricted
-to its support and renormalised, the support recorded as one cut per token (`sampling_cut`, `smd_cli.sampling`)
-for the learner to score the same one (temperature 0 = greedy, scored at temperature 1).
+plain dense rollout on a `DynamicCache`. The sampler's log-probs are those of the distribution it drew from,
+`logit - logsumexp` of `logits / temperature` at the sampled token (`smd_cli.sampling.logprob`, the learner's
+formula too), or with `top_k` / `top_p` that distribution restricted to its support and renormalised, the
+support's token set recorded (`sampling_support`, at most `MAX_SUPPORT` tokens a step, `smd_cli.sampling`) for
+every learner view to score the same one (temperature 0 = greedy, scored at temperature 1).
 Keys keep their true RoPE positions: every forward gets the rows' real `position_ids`.
 
 The decode loop reads nothing from the device at a step: entry counts, the cache's capacity check and the
@@ -35,7 +36,7 @@ from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
 from smd_cli.attention import use_smd_attention
 from smd_cli.rollout_attention import RolloutState
-from smd_cli.sampling import support_cut, truncated_logprob
+from smd_cli.sampling import MAX_SUPPORT, OUTSIDE, Kept, Support, SupportLog, choose, kept_mask, logprob, scaled
 from smd_cli.scoring import prompt_groups
 from smd_cli.shadow import position_ids_from_mask
 
@@ -50,8 +51,8 @@ class RolloutBatch:
     evict_at: torch.Tensor | None  # [N, L, Hkv, T] int32 shadow mask; None for a dense rollout
     stats: dict[str, float] = field(default_factory=dict)
     visibility: torch.Tensor | None = None  # [N, L, Hkv, T, T] bool, only with record_visibility=True
-    sampling_cut: torch.Tensor | None = None  # [N, R] float32: each token's support {log p >= cut} under top-k /
-    # top-p (`smd_cli.sampling`), and then `logprobs` are the truncated distribution's; None: nothing truncated
+    sampling_support: Support | None = None  # each token's kept token set under top-k / top-p (`smd_cli.sampling`),
+    # and then `logprobs` are the truncated distribution's; None: nothing truncated
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,25 +88,21 @@ def draw(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, uniforms: torch.Tensor | None, top_k: int = 0):
     """Draw one token per row from logits [N, V] (`draw` at `uniforms` [N]; greedy needs none); returns tokens [N],
-    the log-prob there of the distribution drawn from [N], and the cut of its support [N] (None when nothing is
-    truncated): `log_softmax(logits / T)` without top-k / top-p, else that distribution restricted to the support
-    of top-k then top-p and renormalised (`smd_cli.sampling`; T = 0, greedy, counts as 1)."""
-    logits = logits.float()
+    the log-prob there of the distribution drawn from [N] (`smd_cli.sampling.logprob`), and its support (a
+    `Kept`, None when nothing is truncated): `logits / T` normalised without top-k / top-p, else that distribution
+    restricted to the support of top-k then top-p and renormalised (`smd_cli.sampling`; T = 0, greedy, counts as 1)."""
+    logits = scaled(logits, temperature)  # [N, V]
+    logp = logits - torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, V]: what top-k / top-p and `draw` read
+    kept = choose(logp, top_p, top_k)
+    allowed = None if kept is None else kept_mask(kept, logits.shape[-1])
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        cut = support_cut(logp, top_p, top_k)
-        if cut is None:
-            return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), None
-        return tokens, truncated_logprob(logp, cut, tokens), cut
-    logp = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
-    probs = logp.exp()
-    cut = support_cut(logp, top_p, top_k)
-    if cut is None:
-        tokens = draw(probs, uniforms)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1), None
-    tokens = draw(probs.masked_fill(logp < cut[:, None], 0.0), uniforms)
-    return tokens, truncated_logprob(logp, cut, tokens), cut
+    else:
+        probs = logp.exp()
+        tokens = draw(probs if allowed is None else probs.masked_fill(~allowed, 0.0), uniforms)
+    if allowed is not None:  # the drawn token counts as inside, as it does for the learner (`sampling.inside`)
+        logits = logits.masked_fill(~allowed.scatter_(-1, tokens[:, None], True), OUTSIDE)
+    return tokens, logprob(logits, tokens)[0], kept
 
 
 def sampling_noise(rows: int, max_new_tokens: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -121,8 +118,9 @@ def _check(temperature: float, top_p: float, top_k: int, max_new_tokens: int, co
         raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 = no top-k), got {top_k!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_SUPPORT:
+        raise ValueError(f"top_k must be an integer in [0, {MAX_SUPPORT}] (0 = no top-k; the learner replays the sampler's kept "
+                         f"tokens, recorded for at most {MAX_SUPPORT} a step), got {top_k!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if not (compile == "auto" or compile is True or compile is False):
@@ -162,7 +160,7 @@ class _Run:
     feed_positions: torch.Tensor  # [N, 1] its RoPE positions
     invalid: torch.Tensor  # [] bool: a sampled log-prob was NaN (the model's logits were not finite)
     groups: tuple | None = None  # (first [U], owner [N]) when rows repeat a prompt: its prefill runs once
-    cuts: torch.Tensor | None = None  # [N, Rmax] the sampling support's cut per token (top-k / top-p), else None
+    supports: SupportLog | None = None  # the kept token sets (top-k / top-p), else None
     graphs: DecodeGraphs | None = None
     meter: KVMeter = field(default_factory=KVMeter)
     steps: int = 0  # decode steps run (the batch keeps those up to the last one where a row was live)
@@ -215,16 +213,16 @@ class _Run:
         self.meter.observe(self.cache)
         return logits if step or self.groups is None else logits[self.groups[1]]
 
-    def record(self, step: int, tokens, token_logp, cut, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
+    def record(self, step: int, tokens, token_logp, kept: Kept | None, eos_token_id: int, pad_token_id: int, check_nan: bool) -> None:
         live = ~self.finished
         column = self.prompt_width + step
         self.input_ids[:, column] = torch.where(live, tokens, pad_token_id)
         self.attention_mask[:, column] = live.long()
         self.logprobs[:, step] = torch.where(live, token_logp, 0.0)
-        if cut is not None:
-            if self.cuts is None:
-                self.cuts = torch.full_like(self.logprobs, float("-inf"))
-            self.cuts[:, step] = cut
+        if kept is not None:
+            if self.supports is None:
+                self.supports = SupportLog(*self.logprobs.shape, self.logprobs.device)
+            self.supports.add(step, kept, live)
         self.positions += live.long()
         self.finished |= live & (tokens == eos_token_id)
         if check_nan:
@@ -234,6 +232,8 @@ class _Run:
     def synchronise(self) -> bool:
         """The periodic host read: raise if the cache overflowed or sampling met NaN; True once every row has
         finished. One transfer for all flags."""
+        if self.supports is not None:
+            self.supports.flush()
         flags = [self.finished.all(), self.invalid]
         if self.state is not None:
             flags.append(self.cache.overflowed().to(self.invalid.device))
@@ -269,8 +269,12 @@ class _Run:
             dense = dense_kv_bytes(model, input_ids[:, : width - 1], fed) if measure_dense_kv else float("nan")
             real_entries = int(fed.sum()) * model.config.num_hidden_layers * model.config.num_key_value_heads
             stats.update({"kv/bytes_peak_dense": float(dense), "kv/kept_fraction": self.state.entries_peak(steps) / max(real_entries, 1)})
+        support = None
+        if self.supports is not None:
+            support, support_stats = self.supports.support(steps)
+            stats.update(support_stats)
         return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, :steps],
-                            evict_at, stats, visibility, None if self.cuts is None else self.cuts[:, :steps])
+                            evict_at, stats, visibility, support)
 
 
 def response_texts(batch: RolloutBatch, tokenizer) -> list[str]:
@@ -299,7 +303,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         return batches.pop()
     if len({b.evict_at is None for b in batches}) > 1:
         raise ValueError("cannot concatenate dense and evicting rollouts")
-    if len({b.sampling_cut is None for b in batches}) > 1:
+    if len({b.sampling_support is None for b in batches}) > 1:
         raise ValueError("cannot concatenate rollouts with and without a truncated sampling support")
     P = max(b.prompt_length for b in batches)
     R = max(b.logprobs.shape[1] for b in batches)
@@ -315,7 +319,11 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
     attention_mask = first.attention_mask.new_zeros(total, width)
     response_mask = first.response_mask.new_zeros(total, R)
     logprobs = first.logprobs.new_zeros(total, R)
-    cuts = None if first.sampling_cut is None else first.sampling_cut.new_full((total, R), float("-inf"))
+    support = first.sampling_support
+    if support is not None:  # every chunk's ids one after another, each chunk's starts moved past the ones before
+        support = Support(torch.cat([b.sampling_support.ids for b in batches]), support.start.new_zeros(total, R),
+                          support.count.new_zeros(total, R), max(b.sampling_support.width for b in batches))
+    packed = 0
     evict_at = None if first.evict_at is None else first.evict_at.new_zeros((total,) + first.evict_at.shape[1:3] + (width,))
     start = 0
     while batches:
@@ -325,8 +333,9 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         columns = slice(shift, shift + b.input_ids.shape[1])
         input_ids[rows_, columns], attention_mask[rows_, columns] = b.input_ids, b.attention_mask
         response_mask[rows_, :r], logprobs[rows_, :r] = b.response_mask, b.logprobs
-        if cuts is not None:
-            cuts[rows_, :r] = b.sampling_cut
+        if support is not None:
+            support.start[rows_, :r], support.count[rows_, :r] = b.sampling_support.start + packed, b.sampling_support.count
+            packed += b.sampling_support.ids.numel()
         if evict_at is not None:
             old_width = b.input_ids.shape[1]
             moved = evict_at[rows_, ..., columns]
@@ -334,7 +343,7 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
             moved.masked_fill_(b.evict_at >= old_width, width).masked_fill_(b.evict_at == 0, 0)  # sentinel; padding stays hidden
         start += n
         del b
-    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats, sampling_cut=cuts)
+    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats, sampling_support=support)
 
 
 def _use_graphs(compile, device: torch.device, policy, record_visibility: bool) -> bool:
@@ -397,13 +406,18 @@ def generate(
     use_smd_attention(model)
     with bar:
         for step in range(max_new_tokens):
-            tokens, token_logp, cut = sample(run.forward(model, step), temperature, top_p, None if noise is None else noise[:, step], top_k)
-            run.record(step, tokens, token_logp, cut, eos_token_id, pad_token_id, check_nan=temperature > 0)
+            uniforms = None if noise is None else noise[:, step]
+            tokens, token_logp, kept = sample(run.forward(model, step), temperature, top_p, uniforms, top_k)
+            run.record(step, tokens, token_logp, kept, eos_token_id, pad_token_id, check_nan=temperature > 0)
             bar.advance(task)
             if (step + 1) % sync_every == 0 or step + 1 == max_new_tokens:
                 if run.synchronise():
                     break
     steps = run.kept_steps()
     batch = run.batch(model, measure_dense_kv, steps)
+    if batch.stats.get("rollout/support_capped_fraction", 0.0) > 0:
+        warnings.warn(f"top_p={top_p}, top_k={top_k}: some tokens' sampling support reached its bound of {MAX_SUPPORT} tokens "
+                      "(smd_cli/sampling.py); the sampler drew from the capped set and the learner scores that same set "
+                      "(rollout/support_capped_fraction counts them)", RuntimeWarning, stacklevel=2)
     batch.stats["rollout/seconds"] = time.perf_counter() - started
     return batch

@@ -185,25 +185,17 @@ def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_
     return model.get_output_embeddings()(response_hidden(model, input_ids, attention_mask, prompt_length, evict_at, backend))
 
 
-def _upcast(logits: torch.Tensor) -> torch.Tensor:
-    """Logits in float32, or float64 when the model computes in float64 (the float64 parity replay)."""
-    return logits if logits.dtype == torch.float64 else logits.float()
-
-
-def _terms(head, hidden, tokens, scale: float, teacher, cut=None):
-    """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None, cut [c] or None (the sampling support,
-    `smd_cli.sampling`) -> (log-prob [c], entropy [c], KL(teacher || student) [c] or None, teacher log-prob [c]
-    or None), all over the support when `cut` is given (the teacher restricted to the student's support)."""
-    logits = _upcast(head(hidden))  # [c, V]
-    if scale != 1.0:
-        logits = logits / scale
+def _terms(head, hidden, tokens, scale: float, teacher, ids=None, start=None, count=None, width: int = 0):
+    """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None, and the sampling support (`Support`'s
+    `ids` [M], this chunk's `start` [c] and `count` [c], `width`) or None -> (log-prob [c], entropy [c],
+    KL(teacher || student) [c] or None, teacher log-prob [c] or None), all over the support when it is given (the
+    teacher restricted to the sampler's support too). The log-prob is `sampling.logprob`, the sampler's formula."""
+    logits = sampling.scaled(head(hidden), scale)  # [c, V]
     beyond = None
-    if cut is not None:  # the full-vocabulary log-probs, then OUTSIDE beyond the support: logits of the truncated policy
-        logits = torch.log_softmax(logits, dim=-1)
-        beyond = sampling.outside(logits.detach(), cut, tokens)
+    if ids is not None:  # OUTSIDE beyond the sampler's kept set: the logits of the truncated policy
+        beyond = ~sampling.inside(ids, start, count, tokens, logits.shape[-1], width)
         logits = logits.masked_fill(beyond, sampling.OUTSIDE)
-    log_z = torch.logsumexp(logits, dim=-1)  # [c]
-    logp = logits.gather(-1, tokens[:, None]).squeeze(-1) - log_z
+    logp, log_z = sampling.logprob(logits, tokens)  # [c] each
     with torch.no_grad():
         probs = torch.softmax(logits, dim=-1)
         entropy = log_z - (probs[:, None, :] @ logits.detach()[:, :, None]).view(-1)  # sum_v p log(1/p)
@@ -211,9 +203,7 @@ def _terms(head, hidden, tokens, scale: float, teacher, cut=None):
     if teacher is None:
         return logp, entropy, None, None
     with torch.no_grad():  # the teacher is a constant (stop-gradient)
-        log_t = _upcast(head(teacher))
-        if scale != 1.0:
-            log_t = log_t / scale
+        log_t = sampling.scaled(head(teacher), scale)
         if beyond is not None:
             log_t = log_t.masked_fill(beyond, sampling.OUTSIDE)
         log_t -= torch.logsumexp(log_t, dim=-1, keepdim=True)  # [c, V] teacher log-probs
@@ -227,27 +217,29 @@ def _terms(head, hidden, tokens, scale: float, teacher, cut=None):
 
 
 def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=None, chunk: int | None = None,
-                cut=None) -> dict[str, torch.Tensor]:
+                support: sampling.Support | None = None) -> dict[str, torch.Tensor]:
     """Per-token terms of the response, [B, R] each, 0 where `mask` [B, R] is False:
     `logp` (differentiable when `hidden` is), `entropy` (detached), and with `teacher` [B, R, Hd] (the dense
     forward's hidden states, held constant) `kl` = KL(teacher || student) over the full vocabulary
-    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1. With `cut` [B, R] (the
-    rollout's `sampling_cut`, top-k / top-p) every term is over each token's sampling support instead of the
-    full vocabulary: the truncated, renormalised distributions (`smd_cli.sampling`)."""
+    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1. With `support` (the
+    rollout's `sampling_support` of these rows, top-k / top-p) every term is over each token's recorded kept set
+    instead of the full vocabulary: the truncated, renormalised distributions (`smd_cli.sampling`), whatever the
+    view's logits."""
     scale = 1.0 if temperature == 0 else float(temperature)
     rows = mask.reshape(-1).nonzero().squeeze(-1)  # real response tokens, flattened
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])[rows]  # [n, Hd]
     flat_teacher = None if teacher is None else teacher.reshape(-1, teacher.shape[-1])[rows]
     flat_tokens = tokens.reshape(-1)[rows].long()
-    flat_cut = None if cut is None else cut.reshape(-1)[rows]
+    if support is not None:
+        flat_start, flat_count = support.start.reshape(-1)[rows], support.count.reshape(-1)[rows]
     step = chunk_tokens(head.weight.shape[0], chunk)
     checkpointed = torch.is_grad_enabled() and hidden.requires_grad
     pieces = []
     for start in range(0, rows.numel(), step):
         args = (head, flat_hidden[start : start + step], flat_tokens[start : start + step], scale,
                 None if flat_teacher is None else flat_teacher[start : start + step])
-        if flat_cut is not None:
-            args += (flat_cut[start : start + step],)
+        if support is not None:
+            args += (support.ids, flat_start[start : start + step], flat_count[start : start + step], support.width)
         pieces.append(checkpoint(_terms, *args, use_reentrant=False) if checkpointed else _terms(*args))
     names = ("logp", "entropy", "kl", "teacher_logp")
     out = {}

@@ -91,6 +91,8 @@ def test_a_tight_bound_fails_as_rounding_not_as_a_mask_error(tmp_path):
     ("parity.bound=0", "parity.bound=0 is not allowed"),
     ("policies=[snapkv,nope]", "eviction option='nope' is not allowed"),
     ("sampling.top_k=-1", "sampling.top_k=-1 is not allowed"),
+    ("sampling.top_k=513", "sampling.top_k=513 is not allowed: an integer >= 0 and <= 512 .0 = no top-k; the learner replays the "
+                           "sampler's kept tokens"),
 ])
 def test_bad_values_are_named(tmp_path, override, message):
     with pytest.raises(Exception, match=message.replace("[", r"\[")):

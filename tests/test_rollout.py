@@ -59,7 +59,7 @@ def rollouts(model, prompts):
 
 
 def diff(batch, logits, temperature=1.0):
-    logp = token_logprobs(logits, batch.input_ids[:, batch.prompt_length:], temperature, batch.sampling_cut)  # top-p: its support
+    logp = token_logprobs(logits, batch.input_ids[:, batch.prompt_length:], temperature, batch.sampling_support)  # top-p: its kept set
     return (logp - batch.logprobs)[batch.response_mask].abs()
 
 
@@ -239,13 +239,14 @@ def test_progress_bar_runs(model, prompts, capsys):
     assert batch.logprobs.shape == (1, 3)
 
 
-@pytest.mark.parametrize("name", ["snapkv", "h2o"])
-def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, name):
-    """Chunks of different prompt widths and response lengths, re-padded: the replay still matches."""
+@pytest.mark.parametrize("name, top_p", [("snapkv", 1.0), ("h2o", 0.8)])
+def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, name, top_p):
+    """Chunks of different prompt widths and response lengths, re-padded: the replay still matches (over the kept
+    sets under top-p, each chunk's moved past the ones before)."""
     from smd_cli.rollout import concat_rollouts
 
     chunks = [
-        generate(model, part, policy=POLICIES[name](), max_new_tokens=n, temperature=1.0,
+        generate(model, part, policy=POLICIES[name](), max_new_tokens=n, temperature=1.0, top_p=top_p,
                  generator=torch.Generator().manual_seed(3), eos_token_id=2, pad_token_id=0)
         for part, n in ((prompts[:2], 6), (prompts[2:], R))
     ]
@@ -255,6 +256,10 @@ def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, na
     replay = response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
     assert diff(batch, replay).max() <= BOUND
     assert batch.stats["kv/bytes_peak"] == max(c.stats["kv/bytes_peak"] for c in chunks)
+    if top_p < 1:
+        count = batch.sampling_support.count
+        assert (count[batch.response_mask] > 0).all() and (count[~batch.response_mask] == 0).all()
+        assert batch.sampling_support.ids.numel() == sum(c.sampling_support.ids.numel() for c in chunks)
 
 
 # The decode loop reads the device only every `sync_every` steps (SYNC_EVERY on an accelerator, 1 on the CPU): between
@@ -269,10 +274,23 @@ def small_vocab_model():
     return build_tiny_model(SMALL_VOCAB, seed=0).eval()
 
 
+def kept_sets(batch):
+    """[N, R, V] bool: each token's recorded kept set (the packing order of `Support.ids` follows the host reads), or None."""
+    support = batch.sampling_support
+    if support is None:
+        return None
+    vocab, tokens = SMALL_VOCAB, batch.input_ids[:, batch.prompt_length:]
+    slots = torch.arange(support.width)
+    ids = support.ids[(support.start[..., None] + slots).clamp(max=max(support.ids.numel() - 1, 0))].long()  # [N, R, width]
+    sets = torch.zeros(*tokens.shape, vocab + 1, dtype=torch.bool)
+    sets.scatter_(-1, torch.where(slots < support.count[..., None], ids, vocab), True)
+    return sets[..., :vocab]
+
+
 def _returned(batch, generator):
     fields = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "response_mask": batch.response_mask,
               "logprobs": batch.logprobs, "evict_at": batch.evict_at, "visibility": batch.visibility,
-              "sampling_cut": batch.sampling_cut, "generator_after": torch.rand(8, generator=generator)}
+              "sampling_support": kept_sets(batch), "generator_after": torch.rand(8, generator=generator)}
     stats = {k: v for k, v in batch.stats.items() if k != "rollout/seconds"}
     return fields, stats
 

@@ -60,7 +60,7 @@ def run(cfg: DictConfig) -> dict:
         found = check(model, batch, settings, float(p.bound))
         results[name] = {"target": f"{type(policy).__module__}.{type(policy).__name__}", "rows": len(prompts),
                          "tokens": int(batch.response_mask.sum()), "kv/kept_fraction": batch.stats["kv/kept_fraction"],
-                         "sampling_support": batch.sampling_cut is not None, **found}
+                         "sampling_support": batch.sampling_support is not None, **found}
     report = {"bound": float(p.bound), "passed": all(r["passed"] for r in results.values()), "judged": list(JUDGED),
               "model": cfg.model.name, "task": task.name, "compression": float(cfg.compression), "seed": cfg.seed,
               "sampling": to_dict(s), "policies": results}

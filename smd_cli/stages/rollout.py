@@ -1,11 +1,11 @@
 """`smd rollout`: sample with an evicting KV cache and check that the learner can replay it.
 
 Samples `num_prompts` x `num_generations` responses with the chosen eviction policy, scores them with the
-task's reward, then scores the same tokens three ways (DESIGN.md section 3; over the sampling support the
-rollout recorded, under top-k / top-p): the shadow replay and the physical-eviction learner (both must equal
+task's reward, then scores the same tokens three ways (DESIGN.md section 3; under top-k / top-p over the kept
+token sets the rollout recorded): the shadow replay and the physical-eviction learner (both must equal
 the sampler's log-probs) and the dense learner (the mismatch that naive sparse RL trains on). Writes
 `rollouts.jsonl` (token ids, log-probs, rewards, text), `shadow_masks.safetensors` (evict_at, the sampling
-support's cut and the batch tensors) and `summary.json`.
+support's kept token sets and the batch tensors) and `summary.json`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from safetensors.torch import save_file
 from smd_cli.evaluation import evidence_kept
 from smd_cli.integrity import write_file
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.losses import mismatch_stats, token_logprobs
+from smd_cli.losses import mismatch_stats
 from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
+from smd_cli.sampling import token_logprobs
 from smd_cli.scoring import response_hidden, vocab_terms
 from smd_cli.stages.common import (build_policy, build_task, console, encode_prompt, load_examples, load_model, print_metrics,
                                   record_weights, start_run)
@@ -33,13 +34,13 @@ def validate(cfg: DictConfig) -> None:
 @torch.no_grad()
 def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool = True, backend: str = "auto") -> dict[str, float]:
     """Learner log-probs vs the sampler's, over the generated tokens: shadow, physical and dense (each over the
-    sampling support the rollout recorded, under top-k / top-p)."""
+    sampling support the rollout recorded, under top-k / top-p: the sampler's kept token sets)."""
     tokens, mask = batch.input_ids[:, batch.prompt_length:], batch.response_mask
     args = (model, batch.input_ids, batch.attention_mask, batch.prompt_length)
 
     def logp(evict_at=None):
         hidden = response_hidden(*args, evict_at, backend)
-        return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature, cut=batch.sampling_cut)["logp"][mask]
+        return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature, support=batch.sampling_support)["logp"][mask]
 
     sampler = batch.logprobs[mask]
     dense = logp()
@@ -50,7 +51,7 @@ def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool
         **mismatch_stats("mismatch/dense_", dense, sampler, torch.ones_like(dense, dtype=torch.bool)),
     }
     if physical and batch.evict_at is not None:
-        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature, batch.sampling_cut)[mask]
+        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature, batch.sampling_support)[mask]
         report["parity/max_abs_diff_physical"] = float((physical_logp - sampler).abs().max())
     elif physical:
         report["parity/max_abs_diff_physical"] = report["parity/max_abs_diff_shadow"]
@@ -72,8 +73,8 @@ def save_rollouts(run_dir, batch: RolloutBatch, examples, rewards, texts, num_ge
                "response_mask": batch.response_mask, "logprobs": batch.logprobs}
     if batch.evict_at is not None:
         tensors["evict_at"] = batch.evict_at  # [N, L, Hkv, T] int32, DESIGN.md section 2
-    if batch.sampling_cut is not None:
-        tensors["sampling_cut"] = batch.sampling_cut  # [N, R] float32: the top-k / top-p support (smd_cli/sampling.py)
+    if batch.sampling_support is not None:  # the top-k / top-p kept token sets (smd_cli/sampling.py `Support`):
+        tensors.update(batch.sampling_support.tensors())  # ids [M] int32, start [N, R] int64, count [N, R] int32
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     write_file(run_dir / "shadow_masks.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"prompt_length": str(batch.prompt_length)}),
                "the shadow masks")

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from smd_cli.learner import VIEWS
+from smd_cli.sampling import MAX_SUPPORT
 from smd_cli.stages.common import DTYPES, ROOT, ConfigError
 
 
@@ -78,6 +79,10 @@ def real(low: float | None = None, high: float | None = None, low_open: bool = F
         else:
             text = "a finite number"
     return Rule(lambda v: (null is not None and v is None) or inside(v), _or_null(null, text))
+
+
+TOP_K = Rule(lambda v: _int(v) and 0 <= v <= MAX_SUPPORT, f"an integer >= 0 and <= {MAX_SUPPORT} (0 = no top-k; the learner "
+             "replays the sampler's kept tokens, recorded for at most that many a step: smd_cli/sampling.py)")
 
 
 def flag(text: str = "true or false") -> Rule:
@@ -218,7 +223,7 @@ RULES: dict[str, Rule] = {
     "sampling.temperature": real(0, low_open=True, text="> 0 for GRPO sampling (0 is greedy: no exploration)"),
     "rollout:sampling.temperature": real(0, text=">= 0 (0 = greedy)"),
     "sampling.top_p": real(0, 1, low_open=True, text="in (0, 1]"),
-    "sampling.top_k": integer(0, "(0 = no top-k)"),
+    "sampling.top_k": TOP_K,
     "check_parity:sampling.temperature": real(0, text=">= 0 (0 = greedy)"),
     "sampling.batch_size": integer(1, null="the whole step's batch"),
     "sampling.compile": one_of("auto", True, False),
@@ -290,7 +295,7 @@ RULES: dict[str, Rule] = {
     "eval:split": text("a split name", null="the task's test split"),
     "eval.limit": integer(1, null="the whole split"),
     "eval.top_p": real(0, 1, low_open=True, text="in (0, 1]"),
-    "eval.top_k": integer(0, "(0 = no top-k)"),
+    "eval.top_k": TOP_K,
     "eval.max_new_tokens": integer(1),
     # rollout
     "rollout:split": text("a split name, e.g. test"),
@@ -299,8 +304,8 @@ RULES: dict[str, Rule] = {
     "physical": flag(),
     # check-parity (and its num_prompts, num_generations as rollout's)
     "check_parity:split": text("a split name, e.g. test"),
-    "policies": Rule(lambda v: v is None or v == "all" or (isinstance(v, list) and len(v) >= 1 and all(isinstance(n, str) and n for n in v)),
-                     "null (the composed eviction), all, or a list of conf/eviction/ option names"),
+    "policies": Rule(lambda v: v is None or v == "all" or (isinstance(v, list) and len(v) >= 1 and all(n in _options("eviction") for n in v)),
+                     f"null (the composed eviction), all, or a list of conf/eviction/ option names: {', '.join(_options('eviction'))}"),
     "parity.bound": real(0, low_open=True, text="a finite number > 0 (the largest |log p_view - log p_sampler| allowed)"),
     "parity.physical": flag(),
     "parity.float64": flag(),
