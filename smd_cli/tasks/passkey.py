@@ -29,6 +29,7 @@ import re
 from pathlib import Path
 
 from smd_cli.tasks.base import Example, Task
+from smd_cli.tasks.datafiles import MAX_FILE_BYTES, MAX_ROW_BYTES, DataFileError, check_type, read_rows
 
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
 PREAMBLE = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -48,7 +49,8 @@ class Passkey(Task):
     name = "passkey"
 
     def __init__(self, prompt_tokens: int = 256, depth: float | None = None, key_digits: int = 5, haystack: str = "filler",
-                 haystack_file: str | None = None, size: dict[str, int] | None = None, seed: int = 0, **kwargs):
+                 haystack_file: str | None = None, size: dict[str, int] | None = None, seed: int = 0,
+                 max_row_bytes: int = MAX_ROW_BYTES, max_file_bytes: int = MAX_FILE_BYTES, **kwargs):
         super().__init__(**kwargs)
         if not isinstance(prompt_tokens, int) or prompt_tokens < 16:
             raise ValueError(f"task.prompt_tokens={prompt_tokens}: the haystack needs >= 16 tokens")
@@ -58,15 +60,20 @@ class Passkey(Task):
             raise ValueError(f"task.key_digits={key_digits}: must be in [1, 12]")
         if haystack not in HAYSTACKS:
             raise ValueError(f"task.haystack={haystack!r}: one of {', '.join(HAYSTACKS)}")
+        if haystack != "govreport" and haystack_file is not None:  # never read: say so rather than run on the filler
+            raise ValueError(f"task.haystack_file={haystack_file!r} is not allowed with task.haystack={haystack}, which never reads "
+                             "it: set task.haystack=govreport to hide the key in its reports, or task.haystack_file=null")
+        self.max_row_bytes, self.max_file_bytes = max_row_bytes, max_file_bytes
+        self._reports: list[str] | None = None
         if haystack == "govreport":
             if not haystack_file or not Path(haystack_file).is_file():
                 raise ValueError(f"task.haystack_file={haystack_file!r}: task.haystack=govreport reads the reports from a local jsonl "
                                  "file (LEval's gov_report_summ.jsonl, field `input`, or the Hub schema, field `report`)")
+            self._reports = reports(Path(haystack_file), max_row_bytes, max_file_bytes)  # a bad file is said now
         self.prompt_tokens, self.depth, self.key_digits = prompt_tokens, None if depth is None else float(depth), key_digits
         self.haystack, self.haystack_file = haystack, haystack_file
         self.size = {"train": 100_000, "validation": 256, "test": 256, **(size or {})}
         self.seed = seed
-        self._reports: list[str] | None = None
         self._evidence: dict[tuple, list[int]] = {}  # (example id, len, digest of the ids) -> the key's token positions
 
     # -- examples ----------------------------------------------------------------------------------
@@ -110,11 +117,7 @@ class Passkey(Task):
 
     def _load_reports(self) -> list[str]:
         if self._reports is None:
-            rows = [json.loads(line) for line in Path(self.haystack_file).read_text().splitlines() if line.strip()]
-            self._reports = [r.get("input") or r.get("report") or "" for r in rows]
-            self._reports = [r for r in self._reports if len(r.split()) > 100]
-            if not self._reports:
-                raise ValueError(f"task.haystack_file={self.haystack_file!r}: no report with an `input` or `report` field of > 100 words")
+            self._reports = reports(Path(self.haystack_file), self.max_row_bytes, self.max_file_bytes)
         return self._reports
 
     # -- prompt --------------------------------------------------------------------------------------
@@ -185,3 +188,28 @@ class Passkey(Task):
             return 0.0
         got, want = found.group(), example["key"]
         return sum(g == w for g, w in zip(got, want)) / max(len(got), len(want))
+
+
+def reports(path: Path, max_row_bytes: int = MAX_ROW_BYTES, max_file_bytes: int = MAX_FILE_BYTES) -> list[str]:
+    """The texts of a haystack file's reports of more than 100 words (field `input`, LEval's, or `report`, the Hub's),
+    read row by row (`read_rows`: a bad line is named by file and line, a line above `max_row_bytes` refused unread).
+    They are kept in memory, so a file above `max_file_bytes` is refused from its size, before it is read."""
+    size = path.stat().st_size
+    if size > max_file_bytes:
+        raise DataFileError(f"task.haystack_file={str(path)!r} is not allowed: {size} bytes, more than task.max_file_bytes="
+                            f"{max_file_bytes} (its reports are kept in memory); raise task.max_file_bytes or give fewer reports")
+    rows, where = read_rows(path, None, max_row_bytes, max_file_bytes)
+    texts = []
+    for row, place in zip(rows, where):
+        field = "input" if "input" in row else "report"
+        if row.get(field) is None:
+            continue
+        try:
+            check_type(row[field], str, field)
+        except DataFileError as err:
+            raise DataFileError(f"{place}: {err} (the report's text)") from None
+        texts.append(row[field])
+    texts = [t for t in texts if len(t.split()) > 100]
+    if not texts:
+        raise DataFileError(f"task.haystack_file={str(path)!r}: no report with an `input` or `report` field of > 100 words")
+    return texts
