@@ -48,6 +48,7 @@ _HOST = re.sub(r"[^A-Za-z0-9-]+", "-", socket.gethostname()) or "host"
 _OWNER = re.compile(r"\.(\d+)@([A-Za-z0-9-]+)\.tmp$")
 _FULL = ("no space left", "os error 28", "storagefull", "quota exceeded", "os error 122")
 _READ_ONLY = ("read-only file system", "os error 30")
+_DENIED = ("permission denied", "os error 13")
 
 
 class DiskFull(OSError):
@@ -84,7 +85,7 @@ def named_failure(err: BaseException, path: Path, what: str) -> Exception | None
         return Unwritable(f"{place} is a file, not a folder: {what} cannot be written under it ({path})")
     if code == errno.EROFS or any(s in text for s in _READ_ONLY):
         return Unwritable(f"{place} is on a read-only file system: {what} cannot be written there ({path})")
-    if code in (errno.EACCES, errno.EPERM):
+    if code in (errno.EACCES, errno.EPERM) or any(s in text for s in _DENIED):
         return Unwritable(f"{place} is not writable (permission denied): {what} cannot be written there ({path})")
     if code is None and not os.access(place, os.W_OK):  # a library's own words for EROFS or EACCES
         return Unwritable(f"{place} is not writable (a read-only file system or no permission): {what} cannot be written "
@@ -94,7 +95,7 @@ def named_failure(err: BaseException, path: Path, what: str) -> Exception | None
     except OSError:
         free = None
     # torch's zip writer says "unexpected pos" when the disk fills: little space left is the cause of such an error
-    low = isinstance(err, (OSError, RuntimeError)) and free is not None and free < LOW_SPACE
+    low = isinstance(err, RuntimeError) and free is not None and free < LOW_SPACE
     if code in (errno.ENOSPC, errno.EDQUOT) or any(s in text for s in _FULL) or low:
         left = "" if free is None else f" ({free / 2**20:.0f} MiB free there)"
         return DiskFull(f"no space left on device while writing {what} to {path}{left}")

@@ -99,6 +99,25 @@ def test_a_read_only_cache_holding_valid_weights_is_read_and_one_without_them_is
         load(real_model_config(tmp_path))
 
 
+def test_a_really_read_only_cache_serves_the_warm_start_it_holds(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    args = [*TRAIN, "steps=0", f"cache_dir={cache}"]
+    assert smd("train", *args, f"hydra.run.dir={tmp_path / 'a'}") == 0
+    made = subprocess.run(f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache}", shell=True, capture_output=True, text=True)
+    if made.returncode != 0:
+        subprocess.run(["umount", str(cache)], capture_output=True)
+        pytest.skip(f"cannot make a read-only mount here ({made.stderr.strip()[:80]})")
+    try:
+        capsys.readouterr()
+        assert smd("train", *args, f"hydra.run.dir={tmp_path / 'b'}") == 0  # before: OSError EROFS opening the lock file
+        assert "warm start: reusing" in capsys.readouterr().out
+        code = smd("train", *args, "model.warmstart.steps=3", f"hydra.run.dir={tmp_path / 'c'}")  # not in the cache
+        said = " ".join(capsys.readouterr().err.split())
+        assert code == 2 and f"config error: cache_dir='{cache}' is not allowed: {cache / 'warmstart'} is on a read-only file system" in said, said
+    finally:
+        subprocess.run(["umount", str(cache)], capture_output=True)
+
+
 @pytest.mark.parametrize("where", ["cache_dir", "SMD_CACHE_DIR"])
 def test_a_cache_dir_that_is_a_file_is_a_config_error(tmp_path, gguf, monkeypatch, capsys, where):
     afile = tmp_path / "not_a_folder"
