@@ -255,6 +255,16 @@ def test_a_full_disk_while_writing_the_shadow_masks_says_disk_full(tmp_path, mon
     assert not list(run.glob(".*.tmp")) and not (run / "shadow_masks.safetensors").exists()
 
 
+def test_a_stage_summary_with_a_non_finite_number_is_valid_json(tmp_path, monkeypatch):
+    # a task whose prompts name no answer-bearing tokens: the share of them kept is 0/0
+    monkeypatch.setattr(rollout_stage, "evidence_kept", lambda *a: {"evidence/kept": float("nan")})
+    run = tmp_path / "run"
+    assert smd("rollout", "model.warmstart.steps=0", "task.prompt_tokens=48", "num_prompts=1", "num_generations=2", "progress=false",
+               "device=cpu", "sampling.max_new_tokens=4", f"hydra.run.dir={run}", f"cache_dir={tmp_path / 'cache'}") == 0
+    summary = json.loads((run / "summary.json").read_text(), parse_constant=lambda name: pytest.fail(f"bare {name} in summary.json"))
+    assert "evidence/kept" in summary and summary["evidence/kept"] is None and summary["rollout/rows"] == 2
+
+
 def test_json_files_never_hold_bare_nan(tmp_path):
     from smd_cli.io import MetricsLog, write_json, write_jsonl
 
