@@ -493,3 +493,32 @@ def test_a_repeated_prompt_is_prefilled_once_and_changes_nothing(model, prompts,
     assert diff(shared, response_logits(model, shared.input_ids, shared.attention_mask, shared.prompt_length, shared.evict_at)).max() <= BOUND
     physical = physical_response_logits(model, shared.input_ids, shared.attention_mask, shared.prompt_length, shared.evict_at)
     assert diff(shared, physical).max() <= BOUND
+
+
+def test_smd_rollout_saves_the_kept_sets_that_its_views_score(tmp_path):
+    """`smd rollout sampling.top_k=5 sampling.top_p=0.99999994`: top_p within rounding of 1 keeps each token's top 5,
+    never more (the float32 cumulative sum over the zeroed tail once took in the whole vocabulary); the kept sets are
+    saved beside the shadow mask (`sampling_support_{ids,start,count}`), each holding its drawn token, and the
+    report's shadow and physical views, scored over them, give the sampler's log-probs."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import smd
+
+    run = tmp_path / "run"
+    code = smd("rollout", "model.warmstart.steps=0", "task.prompt_tokens=48", "num_prompts=2", "num_generations=2", "progress=false",
+               "device=cpu", "sampling.max_new_tokens=6", "sampling.top_k=5", "sampling.top_p=0.99999994", "eviction=snapkv",
+               f"hydra.run.dir={run}", f"cache_dir={tmp_path / 'cache'}")
+    assert code == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parity/max_abs_diff_shadow"] <= BOUND and summary["parity/max_abs_diff_physical"] <= BOUND
+    assert summary["rollout/support_size_mean"] == 5.0 and summary["rollout/support_capped_fraction"] == 0.0
+    saved = load_file(run / "shadow_masks.safetensors")
+    mask, count = saved["response_mask"], saved["sampling_support_count"]
+    start, ids = saved["sampling_support_start"], saved["sampling_support_ids"]
+    tokens = saved["input_ids"][:, -mask.shape[1]:]
+    assert (count[mask] == 5).all() and (count[~mask] == 0).all() and ids.numel() == 5 * int(mask.sum())
+    for (n, r) in mask.nonzero().tolist():
+        kept = ids[start[n, r] : start[n, r] + 5].tolist()
+        assert len(set(kept)) == 5 and tokens[n, r].item() in kept
