@@ -61,11 +61,13 @@ def sweep_arguments(args: list[str]) -> list[str]:
 def run_dir_problem(path: Path) -> str | None:
     """Why `path` cannot be a run directory (None when it can): an existing file, a path under a file, a place
     where no directory can be made (/proc), or one that cannot be written (a read-only mount, no permission).
-    A directory it can be is made now, as Hydra would make it next."""
+    Tried by making it and a file in it; what the try made is removed again (Hydra makes the directory itself,
+    and a command line it then refuses leaves nothing behind)."""
     if path.exists() and not path.is_dir():
         return "it is an existing file, not a directory"
-    ancestor = path
+    ancestor, made = path, []
     while not ancestor.exists() and ancestor != ancestor.parent:
+        made.append(ancestor)
         ancestor = ancestor.parent
     if ancestor.exists() and not ancestor.is_dir():
         return f"{ancestor} is a file, so nothing can be created under it"
@@ -74,27 +76,38 @@ def run_dir_problem(path: Path) -> str | None:
         tempfile.TemporaryFile(dir=path).close()
     except OSError as err:
         return f"a run directory must be a folder smd can create and write to ({err.strerror or err})"
+    finally:
+        for folder in made:  # deepest first; one another process has written to meanwhile is not empty: kept
+            try:
+                folder.rmdir()
+            except OSError:
+                break
     return None
 
 
-def check_run_dir(args: list[str]) -> None:
-    """`hydra.run.dir=DIR` (the last one given; up to its first interpolation) must be a folder smd can create and
-    write to: said as a config error before Hydra would fail on it with a traceback. Without one, the default's
-    `runs/` (under the current directory) is checked."""
-    given = [a.partition("=")[2] for a in args if a.startswith("hydra.run.dir=")]
-    value = given[-1] if given else "runs"
-    fixed = value.split("${", 1)[0]
-    if not fixed.strip():
+def check_run_dir(args: list[str], multirun: bool = False) -> None:
+    """`hydra.run.dir=DIR` (`hydra.sweep.dir=DIR` with `-m`; the last one given, as Hydra reads it, up to its first
+    interpolation) must be a folder smd can create and write to: said as a config error before Hydra would fail on
+    it with a traceback. Without one, the default's `runs/` (`multirun/`) under the current directory is checked."""
+    from smd_cli.stages.preflight import interpolation_problem, value_of
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [a for a in args if a.startswith(f"{key}=")]
+    value = value_of(given[-1]) if given else ("multirun" if multirun else "runs")
+    if not isinstance(value, str):  # a sweep of run directories: Hydra's to judge
         return
-    problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
+    fixed = value.split("${", 1)[0]
+    problem = interpolation_problem(value)
+    if not problem and fixed.strip():
+        problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
     if problem:
-        report("config error", f"hydra.run.dir={value!r} is not allowed: {problem}")
+        report("config error", f"{key}={value!r} is not allowed: {problem}")
         raise SystemExit(2)
 
 
-def report(label: str, message: str) -> None:
-    """`label: message` in red on stderr, the message as it is (a `[...]` in it is text, not rich markup)."""
-    Console(stderr=True).print(f"[red]{label}:[/red] {escape(message)}", soft_wrap=True, highlight=False)
+def report(label: str, message: str, colour: str = "red") -> None:
+    """`label: message` in `colour` on stderr, the message as it is (a `[...]` in it is text, not rich markup)."""
+    Console(stderr=True).print(f"[{colour}]{label}:[/{colour}] {escape(message)}", soft_wrap=True, highlight=False)
 
 
 def usage() -> str:
@@ -149,10 +162,23 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             release_all()
 
-    if not any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg") for a in rest):
-        check_run_dir(rest)
-    if verb == "ablate":
-        rest = sweep_arguments(rest)
+    from smd_cli.stages import preflight
+
+    informational = any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg") for a in rest)
+    multirun = any(a in ("-m", "--multirun") for a in rest)
+    try:
+        preflight.overrides(rest)  # an override Hydra cannot parse: said before any folder is made
+        if not informational:
+            check_run_dir(rest, multirun)
+        if verb == "ablate":
+            rest = sweep_arguments(rest)
+        if multirun and not informational:
+            preflight.check_sweep(config_name, rest)
+    except ConfigError as err:
+        report("config error", str(err))
+        raise SystemExit(2) from None
+    for warning in preflight.unread_additions(config_name, rest):
+        report("warning", warning, "yellow")
     sys.argv = [f"smd {verb}", *rest]
     hydra.main(config_path=str(CONF_DIR), config_name=config_name, version_base="1.3")(task)()
 

@@ -89,7 +89,8 @@ def test_a_tight_bound_fails_as_rounding_not_as_a_mask_error(tmp_path):
 
 @pytest.mark.parametrize("override, message", [
     ("parity.bound=0", "parity.bound=0 is not allowed"),
-    ("policies=[snapkv,nope]", "eviction option='nope' is not allowed"),
+    ("policies=[snapkv,nope]", "policies=['snapkv', 'nope'] is not allowed: null .the composed eviction., all, or a list of "
+                               "conf/eviction/ option names: h2o, knorm, none, random, recent, snapkv"),
     ("sampling.top_k=-1", "sampling.top_k=-1 is not allowed"),
     ("sampling.top_k=513", "sampling.top_k=513 is not allowed: an integer >= 0 and <= 512 .0 = no top-k; the learner replays the "
                            "sampler's kept tokens"),
