@@ -24,7 +24,41 @@ most at the cap), and look k uses the t quantile at 1 - alpha_k. By the union bo
 the chance that any look says "holds" when the true difference is 0 is at most sum(alpha_k) = alpha, whatever
 the dependence between looks and whenever the comparison stops: the rule stays valid under optional stopping.
 A comparison still inconclusive at the cap reports the smallest true difference its last look would have
-detected with probability `power` (`Decision.detectable`), and the seeds a decision would need.
+detected with probability `power` (`Decision.detectable`), and the seeds a fixed-sample test at the last look's
+own alpha_K would need (`Decision.seeds_needed`): the alpha a look at the cap actually spends, not the total.
+
+Bounded, discrete metrics (`Measure`). This project's held-out metrics are rewards in [0, 1] averaged over N
+prompts: binary (1/N steps), digit credit (passkey: 1/(5N) steps), near or at their ceiling. The t test assumes
+the seeds' spread is estimated well, and on such data it is not: with 3 to 8 seeds a difference that moves by one
+prompt's worth (+-1/16 over 16 prompts) is all +1/16 on 3 seeds one time in 8, its sample standard deviation is
+0, and a rule that let se = 0 decide by the sign of d said "a > b holds" for 12 % of true nulls (promised: 2.5 %);
+an arm near its bound is skewed (a run of seeds without a miss has a high mean and a small spread together), so
+"a matches b" with b at the ceiling said "holds" for 4 % of nulls at 64 prompts. Three rules keep the promised
+alpha on exactly such data (simulated in `tests/test_stats.py`: normal and heavy-tailed noise, binary rewards
+over 16 and 64 prompts with p near and at 1, digit credit, an arm at the bound; every rate at or below alpha):
+
+- A cell at the bound says so. Where every run of both cells sits at the metric's upper (lower) bound, nothing
+  was measured: the verdict is "uninformative (ceiling)" ("... (floor)"), final (more seeds of a metric stuck at
+  its bound cannot decide; stopping for futility never raises the error of a "holds"), never "holds".
+- The standard deviation of the per-seed differences has a floor, from the metric's resolution r (one prompt's
+  worth, (high - low) / N; `Measure.rewards(N)`): sd_floor = sqrt(r * max(r, |null|)), null the difference at
+  the hypothesis' edge (0 for "a > b", -margin for "a matches b"). Why: the per-seed difference of two means over
+  N prompts is (prompts where a gains - prompts where b gains) / N. Seeds can differ by one prompt at the least,
+  so no spread below one prompt's worth is evidence of anything (sd >= r); and two arms whose means differ by
+  |null| = k / N disagree on at least k prompts a seed, a count whose chance spread is at least its square root
+  (Poisson; McNemar's test of paired binary outcomes takes exactly the number of discordant pairs as the
+  variance), sd >= sqrt(k) / N = sqrt(r |null|). A floor is a lower bound on what the test assumes, never a
+  replacement for the data: where the seeds spread more, their own sd is used. Where it binds it costs power
+  (and on digit credit, whose steps are a fifth of a prompt, it is conservative by design); it cannot add errors.
+  The floor of the whole prompt rather than the digit is what keeps digit credit valid when a prompt's digits
+  fail together (an all-or-nothing passkey). A continuous metric (ROUGE) gets the floor of one prompt too: it
+  binds only when seeds agree within one prompt's worth, and at the paper's 512 prompts it is 0.002.
+- se = 0 never decides. Without a known resolution (`Measure()`: a measurement, not a mean over prompts) a
+  standard error of 0 gives "inconclusive": a number that does not vary over 3 seeds is not a measurement of
+  its own noise.
+
+The rules use the same t quantiles and spending as above; only the standard error they divide by is bounded
+below (`Measure.se`), and `detectable` and `seeds_needed` are computed with that same bounded standard error.
 """
 
 from __future__ import annotations
@@ -36,6 +70,7 @@ from functools import lru_cache
 Z = 2.0  # the old rule's multiplier, kept only to show (tests) why it was replaced
 ALPHA = 0.025  # one-sided error of each verdict, each direction (a two-sided 95 % interval)
 HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
+CEILING, FLOOR = "uninformative (ceiling)", "uninformative (floor)"  # every run of both cells at the metric's bound
 USABLE = ("ok", "collapsed")  # run statuses with held-out results: a collapsed policy is an outcome, not a failure
 
 
@@ -85,6 +120,48 @@ def aggregate(rows: list[dict], keys: list[str], metrics: list[str]) -> list[dic
             group[m], group[f"{m} se"] = c.mean, c.se
         out.append(group)
     return out
+
+
+@dataclass(frozen=True)
+class Measure:
+    """What a verdict must know of the metric it compares: its bounds (`low`, `high`; None: unbounded) and its
+    resolution (the step one held-out prompt makes in a per-seed mean, (high - low) / N over N prompts; None:
+    unknown, no floor). Module docstring: why the standard error has a floor, and why a cell at a bound says so."""
+
+    low: float | None = None
+    high: float | None = None
+    resolution: float | None = None
+
+    @classmethod
+    def rewards(cls, prompts: int | None) -> "Measure":
+        """A reward in [0, 1] averaged over `prompts` held-out prompts (None: their number is unknown)."""
+        return cls(0.0, 1.0, 1.0 / prompts if prompts else None)
+
+    def sd_floor(self, null: float = 0.0) -> float:
+        """The least standard deviation of a per-seed difference the test assumes: sqrt(r * max(r, |null|)), null
+        the difference at the hypothesis' edge (0 for a > b, -margin for parity); 0 without a resolution."""
+        r = self.resolution
+        return 0.0 if not r else math.sqrt(r * max(r, abs(null)))
+
+    def se(self, d: Cell, null: float = 0.0) -> float | None:
+        """The standard error a verdict divides by: d's own, bounded below by `sd_floor(null) / sqrt(n)`."""
+        if d.se is None:
+            return None
+        return max(d.se, self.sd_floor(null) / math.sqrt(d.n))
+
+    def bound(self, values) -> str | None:
+        """CEILING (FLOOR) when every value is at the upper (lower) bound, else None (also for no values)."""
+        xs = [v for v in values if v is not None]
+        if not xs:
+            return None
+        if self.high is not None and all(x >= self.high for x in xs):
+            return CEILING
+        if self.low is not None and all(x <= self.low for x in xs):
+            return FLOOR
+        return None
+
+
+EXACT = Measure()  # a measured number: no bounds, no resolution (se = 0 stays inconclusive)
 
 
 def difference(a: dict, b: dict) -> Cell:
@@ -160,25 +237,26 @@ def critical(n: int, alpha: float = ALPHA) -> float | None:
 
 
 def _t_verdict(distance: float, se: float, c: float, strict: bool = True) -> str:
-    """holds if distance / se crosses +c, does not hold if it crosses -c (se 0: the sign of the distance decides)."""
-    if se == 0:
-        return HOLDS if distance > 0 or (distance == 0 and not strict) else FAILS if distance < 0 else INCONCLUSIVE
+    """holds if distance / se crosses +c, does not hold if it crosses -c; se 0 (up to float rounding: 0.72 - 0.42 and
+    0.74 - 0.44 differ in the 17th digit) is inconclusive: nothing measured."""
+    if se <= 1e-12 * max(1.0, abs(distance)):
+        return INCONCLUSIVE
     t = distance / se
     return HOLDS if (t > c if strict else t >= c) else FAILS if t < -c else INCONCLUSIVE
 
 
-def greater(d: Cell, alpha: float = ALPHA) -> str:
-    """Is a > b, given their difference d = a - b (one look, t critical value at `alpha`)?"""
+def greater(d: Cell, alpha: float = ALPHA, measure: Measure = EXACT) -> str:
+    """Is a > b, given their difference d = a - b (one look, t critical value at `alpha`, se bounded by `measure`)?"""
     if d.mean is None or d.se is None:
         return INCONCLUSIVE
-    return _t_verdict(d.mean, d.se, critical(d.n, alpha))
+    return _t_verdict(d.mean, measure.se(d), critical(d.n, alpha))
 
 
-def not_worse(d: Cell, margin: float, alpha: float = ALPHA) -> str:
+def not_worse(d: Cell, margin: float, alpha: float = ALPHA, measure: Measure = EXACT) -> str:
     """Does a match b within `margin` (a not worse by more than the margin), given d = a - b?"""
     if d.mean is None or d.se is None:
         return INCONCLUSIVE
-    return _t_verdict(d.mean + margin, d.se, critical(d.n, alpha), strict=False)
+    return _t_verdict(d.mean + margin, measure.se(d, -margin), critical(d.n, alpha), strict=False)
 
 
 def at_most(x: Cell, bound: float, alpha: float = ALPHA) -> str:
@@ -241,7 +319,8 @@ def _spend(looks: tuple[int, ...], alpha: float) -> tuple[float, ...]:
 class Decision:
     """A comparison judged by `Sequential`: its verdict, the look that gave it (its seed count), the paired
     difference there, that look's critical value, whether a later look can still decide (`pending`), and for a
-    comparison inconclusive at the cap the smallest detectable difference and the seeds a decision would need."""
+    comparison inconclusive at the cap the smallest detectable difference and the seeds a decision would need.
+    `se`: the standard error the test divided by (d's own, or the metric's floor where that is larger)."""
 
     verdict: str
     seeds: int  # seeds the deciding (or last) look used
@@ -250,16 +329,25 @@ class Decision:
     pending: bool = False
     detectable: float | None = None
     seeds_needed: int | None = None
+    se: float | None = None
+
+    @property
+    def floored(self) -> bool:
+        """The metric's floor, not the seeds' spread, set the standard error."""
+        return self.se is not None and self.d.se is not None and self.se > self.d.se
 
 
-def sequential(diffs: list[float | None], rule: Sequential, margin: float | None = None) -> Decision:
+def sequential(diffs: list[float | None], rule: Sequential, margin: float | None = None, measure: Measure = EXACT,
+               arms: tuple[list, list] | None = None) -> Decision:
     """Judge the per-seed differences a_s - b_s, in seed order (None where a seed has no pair), look by look.
 
     Look k uses the first `rule.looks[k]` seeds and is judged once that many seeds were run (`len(diffs)`); the first
-    look that crosses its critical value decides (`greater`'s test, or with `margin` `not_worse`'s). Undecided,
-    the decision is pending while a look remains, else inconclusive at the cap with `detectable` (the smallest
-    true difference, or distance from -margin, that the last look detects with probability `rule.power`) and
-    `seeds_needed` (fixed-sample t test at `rule.alpha` and `rule.power` for the observed difference)."""
+    look that crosses its critical value decides (`greater`'s test, or with `margin` `not_worse`'s, the standard
+    error bounded below by `measure`). `arms`: the two cells' per-seed values a_s and b_s (aligned with `diffs`);
+    where every one of a look's paired values sits at the metric's bound the verdict is CEILING (FLOOR), final.
+    Undecided, the decision is pending while a look remains, else inconclusive at the cap with `detectable` (the
+    smallest true difference, or distance from -margin, that the last look detects with probability `rule.power`)
+    and `seeds_needed` (fixed-sample t test at the last look's alpha_K and `rule.power` for the observed difference)."""
     spend = rule.spend()
     shift = margin or 0.0
     last = None
@@ -268,32 +356,40 @@ def sequential(diffs: list[float | None], rule: Sequential, margin: float | None
             break
         d = cell(diffs[:n])
         c = critical(d.n, spend[k])
-        last = (n, d, c)
-        if d.se is not None:
-            verdict = _t_verdict(d.mean + shift, d.se, c, strict=margin is None)
+        se = measure.se(d, -shift)
+        last = (n, d, c, se)
+        if arms is not None:
+            paired = [i for i in range(n) if diffs[i] is not None]
+            at_bound = measure.bound([arm[i] for arm in arms for i in paired])
+            if at_bound:
+                return Decision(at_bound, n, d, c, se=se)
+        if se is not None:
+            verdict = _t_verdict(d.mean + shift, se, c, strict=margin is None)
             if verdict != INCONCLUSIVE:
-                return Decision(verdict, n, d, c)
+                return Decision(verdict, n, d, c, se=se)
     if last is None:  # not even the first look's seeds
         return Decision(INCONCLUSIVE, len(diffs), cell(diffs), None, pending=True)
-    n, d, c = last
+    n, d, c, se = last
     if n < rule.cap:
-        return Decision(INCONCLUSIVE, n, d, c, pending=True)
-    detectable = None if d.se is None else (c + t_quantile(rule.power, d.n - 1)) * d.se
-    return Decision(INCONCLUSIVE, n, d, c, detectable=detectable, seeds_needed=seeds_needed(d, shift, rule))
+        return Decision(INCONCLUSIVE, n, d, c, pending=True, se=se)
+    detectable = None if not se else (c + t_quantile(rule.power, d.n - 1)) * se
+    return Decision(INCONCLUSIVE, n, d, c, detectable=detectable, seeds_needed=seeds_needed(d, shift, rule, measure), se=se)
 
 
-def seeds_needed(d: Cell, shift: float, rule: Sequential, most: int = 10_000) -> int | None:
-    """Seeds for a fixed-sample one-sided t test at `rule.alpha` to decide a true difference of d's size (its mean
-    + shift, its standard deviation s) with probability `rule.power`: the least n with
-    (t_{1-alpha, n-1} + t_{power, n-1}) s / sqrt(n) <= |mean + shift|; None when that is 0 (or s is) or past `most`."""
+def seeds_needed(d: Cell, shift: float, rule: Sequential, measure: Measure = EXACT, most: int = 10_000) -> int | None:
+    """Seeds for a fixed-sample one-sided t test at the last look's alpha_K (the alpha the cap actually spends) to
+    decide a true difference of d's size (its mean + shift, its standard deviation s, bounded below by the metric's
+    floor) with probability `rule.power`: the least n with (t_{1-alpha_K, n-1} + t_{power, n-1}) s / sqrt(n) <=
+    |mean + shift|; None when that is 0 (or s is) or past `most`."""
     if d.mean is None or d.se is None:
         return None
-    effect, sd = abs(d.mean + shift), d.se * math.sqrt(d.n)
+    alpha = rule.spend()[-1]
+    effect, sd = abs(d.mean + shift), measure.se(d, -shift) * math.sqrt(d.n)
     if effect == 0 or sd == 0:  # undecided with no spread: a difference of exactly 0, which no seed count decides
         return None
     n = 2
     while n <= most:
-        if (t_quantile(1 - rule.alpha, n - 1) + t_quantile(rule.power, n - 1)) * sd / math.sqrt(n) <= effect:
+        if (t_quantile(1 - alpha, n - 1) + t_quantile(rule.power, n - 1)) * sd / math.sqrt(n) <= effect:
             return n
         n = n + 1 if n < 64 else int(n * 1.1)
     return None

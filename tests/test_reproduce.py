@@ -47,15 +47,21 @@ def test_the_tables_recipes_share_their_common_runs():
     assert all(m.name.startswith(("gsm8k_", "tldr_", "govreport_", "hotpotqa_")) for p in paper for m in p)
 
 
+FAKE_CONFIG = {"steps": 2, "lambda": 0.1, "compression": 0.5, "optim": {"lr": 1e-5}, "model": {"name": "tiny"},
+               "grpo": {"prompts_per_step": 2, "num_generations": 4, "epsilon": 0.2, "loss_agg": "token-mean"},
+               "eval": {"num_prompts": 128, "temperature": 1.0, "dense_eviction": "snapkv"}}
+
+
 def fake_sweep(tmp_path: Path, name: str, keys: list[str], runs: list[tuple[dict, dict]], steps: list[dict] | None = None) -> Sweep:
     """A sweep directory as `smd ablate` writes it, with each run's summary given (its `status` "collapsed" or
-    "failed ..." when the summary says so), and `steps` as every run's metrics.jsonl."""
+    "failed ..." when the summary says so), `steps` as every run's metrics.jsonl, and a config.json of 128 held-out prompts."""
     rows = []
     for i, (values, summary) in enumerate(runs):
         run_dir = tmp_path / name / "runs" / f"run{i}"
         run_dir.mkdir(parents=True)
         status = summary.get("status", "completed")
         (run_dir / "summary.json").write_text(json.dumps({"status": status, **summary}))
+        (run_dir / "config.json").write_text(json.dumps(FAKE_CONFIG))  # the report's setup; the verdicts' resolution: 1/128
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps or [{"step": 1, "reward": 0.5}]))
         rows.append({**values, "status": {"completed": "ok"}.get(status, status), "dir": str(run_dir),
                      "status_reason": summary.get("status_reason"), "error": summary.get("error")})
@@ -71,7 +77,7 @@ def test_claims_are_judged_by_their_rules(tmp_path):
             for a in evict for s in range(3)]
     main_ = fake_sweep(tmp_path, "main", ["algo", "seed"], runs)
     found = {(f.claim, f.view): f for f in claims.main_table(main_, Sequential((3,)))}
-    assert found[("SMD beats naive compression", "under eviction")].verdict == HOLDS  # paired d = 0.30, se = 0
+    assert found[("SMD beats naive compression", "under eviction")].verdict == HOLDS  # d = 0.30, se 0 floored: (1/128) / sqrt 3
     assert found[("SMD beats naive compression", "dense cache")].verdict == INCONCLUSIVE  # d = 0 exactly
     assert found[("Naive compression falls behind dense", "under eviction")].verdict == FAILS  # dense 0.31 < naive 0.42
     assert found[("SMD is near-lossless against dense at 50 % compression", "under eviction")].verdict == HOLDS

@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from smd_cli.stats import (FAILS, HOLDS, INCONCLUSIVE, Z, Cell, Sequential, aggregate, at_least, at_most, cell, critical, difference, greater,
-                           normal_quantile, not_worse, sequential, t_cdf, t_quantile)
+from smd_cli.stats import (CEILING, EXACT, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Z, Cell, Measure, Sequential, aggregate, at_least, at_most, cell,
+                           critical, difference, greater, normal_quantile, not_worse, sequential, t_cdf, t_quantile)
 
 
 def test_cell_is_the_mean_and_sample_standard_error():
@@ -75,24 +75,43 @@ def test_spending_splits_alpha_over_the_looks():
         Sequential((5, 3))
 
 
-def simulate(rule: Sequential, delta: float, noise, margin: float | None = None, trials: int = 100_000, seed: int = 0) -> dict:
-    """How often each verdict comes out over `trials` runs of per-seed differences delta + noise, the cap's seeds
-    drawn and judged look by look, stopping at the first look that decides (what `make reproduce` does). The looks
-    are judged for all trials at once here; the first 500 are judged by `stats.sequential` itself, which must agree."""
-    g = torch.Generator().manual_seed(seed)
-    diffs = (delta + noise(g, (trials, rule.cap))).double()  # [trials, cap]
-    verdict = torch.zeros(trials, dtype=torch.long)  # 0 inconclusive, 1 holds, -1 does not hold
+def simulate(rule: Sequential, a: torch.Tensor, b: torch.Tensor | float = 0.0, margin: float | None = None,
+             measure: Measure = EXACT) -> dict:
+    """How often each verdict comes out over the trials (rows) of per-seed values of two arms a, b [trials, cap], the
+    cap's seeds drawn and judged look by look on the differences a - b, stopping at the first look that decides (what
+    `make reproduce` does): t = (d + margin) / se against the look's critical value, se bounded below by the measure's
+    floor, se 0 undecided, a look where every paired value sits at the measure's bound uninformative. The looks are
+    judged for all trials at once here; the first 500 are judged by `stats.sequential` itself, which must agree."""
+    a = a.double()
+    b = torch.as_tensor(b, dtype=torch.float64).expand_as(a)
+    diffs, trials = a - b, a.shape[0]
+    verdict = torch.zeros(trials, dtype=torch.long)  # 0 inconclusive, 1 holds, -1 does not hold, 2 ceiling, 3 floor
+    shift = margin or 0.0
+    floor = measure.sd_floor(-shift)
     for n, alpha in zip(rule.looks, rule.spend()):
         x = diffs[:, :n]
-        t = (x.mean(1) + (margin or 0.0)) / (x.std(1) / math.sqrt(n))
+        se = x.std(1).clamp(min=floor) / math.sqrt(n)
+        distance = x.mean(1) + shift
+        t = distance / se
+        decided = (verdict != 0) | (se <= 1e-12 * distance.abs().clamp(min=1.0))
+        for code, bound, at in ((2, measure.high, torch.ge), (3, measure.low, torch.le)):
+            if bound is not None:
+                stuck = at(a[:, :n], bound).all(1) & at(b[:, :n], bound).all(1) & (verdict == 0)
+                verdict[stuck], decided = code, decided | stuck
         c = critical(n, alpha)
-        undecided = verdict == 0
-        verdict[undecided & ((t >= c) if margin is not None else (t > c))] = 1
-        verdict[undecided & (t < -c)] = -1
-    names = {1: HOLDS, -1: FAILS, 0: INCONCLUSIVE}
+        verdict[~decided & ((t >= c) if margin is not None else (t > c))] = 1
+        verdict[~decided & (t < -c)] = -1
+    names = {1: HOLDS, -1: FAILS, 0: INCONCLUSIVE, 2: CEILING, 3: FLOOR}
     for i in range(500):
-        assert sequential(diffs[i].tolist(), rule, margin).verdict == names[int(verdict[i])]
+        arms = (a[i].tolist(), b[i].tolist()) if measure.high is not None or measure.low is not None else None
+        assert sequential(diffs[i].tolist(), rule, margin, measure, arms).verdict == names[int(verdict[i])], i
     return {names[k]: float((verdict == k).double().mean()) for k in names}
+
+
+def draw(noise, delta: float = 0.0, trials: int = 100_000, cap: int = 8, seed: int = 0) -> torch.Tensor:
+    """[trials, cap] per-seed differences delta + noise."""
+    g = torch.Generator().manual_seed(seed)
+    return delta + noise(g, (trials, cap))
 
 
 def normal(sd):
@@ -103,6 +122,23 @@ def t3(g, shape):  # Student t with 3 degrees of freedom: heavy tails
     return torch.randn(shape, generator=g, dtype=torch.float64) / (torch.randn((*shape, 3), generator=g, dtype=torch.float64) ** 2).mean(-1).sqrt()
 
 
+def binary(p: float, prompts: int):
+    """A held-out reward: the per-seed mean of `prompts` binary rewards, each right with probability p."""
+    return lambda g, shape: torch.binomial(torch.full(shape, float(prompts), dtype=torch.float64),
+                                           torch.full(shape, p, dtype=torch.float64), generator=g) / prompts
+
+
+def digits(q: float, prompts: int, together: bool = False):
+    """Passkey's digit credit: 5 digits a prompt, the reward the fraction right, averaged over `prompts` prompts. Each
+    digit right with probability q; `together`: a prompt's digits right or wrong together (an all-or-nothing key)."""
+    def draw_(g, shape):
+        if together:
+            return binary(q, prompts)(g, shape)
+        return torch.binomial(torch.full(shape, 5.0 * prompts, dtype=torch.float64), torch.full(shape, q, dtype=torch.float64),
+                              generator=g) / (5 * prompts)
+    return draw_
+
+
 def test_sequential_rule_keeps_its_error_rate_when_the_true_difference_is_zero():
     """Under optional stopping (looks at 3, 5, 8 seeds, stopping at the first that decides), a true difference of 0
     says "holds" at most alpha of the time, for normal and for heavy-tailed (t, 3 df) seed-to-seed noise; the old rule
@@ -110,11 +146,100 @@ def test_sequential_rule_keeps_its_error_rate_when_the_true_difference_is_zero()
     README.)"""
     rule = Sequential((3, 5, 8))
     for noise, seed in ((normal(0.1), 0), (t3, 1)):
-        rates = simulate(rule, 0.0, noise, seed=seed)
+        rates = simulate(rule, draw(noise, seed=seed))
         assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
-    old = simulate(Sequential((3,), alpha=1 - t_cdf(Z, 2)), 0.0, normal(0.1), seed=2)  # c = 2 at 2 df
+    old = simulate(Sequential((3,), alpha=1 - t_cdf(Z, 2)), draw(normal(0.1), seed=2, cap=3))  # c = 2 at 2 df
     assert old[HOLDS] > 0.08  # what the report used before: "holds" for 9 % of true nulls
-    assert simulate(rule, -0.05, normal(0.1), margin=0.05, seed=3)[HOLDS] <= 0.025  # parity, at the margin's edge
+    assert simulate(rule, draw(normal(0.1), -0.05, seed=3), margin=0.05)[HOLDS] <= 0.025  # parity, at the margin's edge
+
+
+RULE = Sequential((3, 5, 8))
+
+
+@pytest.mark.parametrize("prompts", [16, 64])
+@pytest.mark.parametrize("p", [0.9, 0.97, 0.99, 1.0])
+def test_binary_rewards_near_and_at_the_ceiling_keep_the_error_rate(prompts, p):
+    """Both arms the mean of `prompts` binary rewards right with probability p (no true difference): "holds" (and
+    "does not hold") at most alpha = 0.025 of the time; at p = 1 every cell is at the ceiling and says so, always."""
+    rates = simulate(RULE, draw(binary(p, prompts), seed=10), draw(binary(p, prompts), seed=11), measure=Measure.rewards(prompts))
+    assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
+    if p == 1.0:
+        assert rates[CEILING] == 1.0
+
+
+def test_one_prompt_either_way_is_not_evidence():
+    """The issue's case: per-seed differences of +-1/16 (16 binary prompts), true difference 0. With se = 0 decided by the
+    sign of d, three seeds all +1/16 (one time in 8) said "holds": 12.5 % at the first look alone, against 2.5 %.
+    With the floor of one prompt's worth it is at most alpha."""
+    pm = torch.randint(0, 2, (100_000, 8), generator=torch.Generator().manual_seed(5)).double() * 2 - 1
+    rates = simulate(RULE, 0.5 + pm / 16, 0.5, measure=Measure.rewards(16))
+    assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
+    assert float((pm[:, :3] == 1).all(1).double().mean()) == pytest.approx(1 / 8, abs=0.005)  # what the old rule said "holds" to
+
+
+@pytest.mark.parametrize("together", [False, True])
+@pytest.mark.parametrize("q", [0.9, 0.97, 0.99])
+def test_digit_credit_keeps_the_error_rate(q, together):
+    """Passkey's digit credit over 16 prompts (steps of 1/80), digits independent or a prompt's digits together: the
+    floor of one prompt's worth (1/16, not 1/80) keeps "holds" at most alpha either way."""
+    rates = simulate(RULE, draw(digits(q, 16, together), seed=20), draw(digits(q, 16, together), seed=21), measure=Measure.rewards(16))
+    assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
+
+
+@pytest.mark.parametrize("prompts", [16, 64])
+def test_an_arm_at_the_bound_keeps_the_parity_error_rate(prompts):
+    """"a matches b within 0.05" at the margin's edge with b at the ceiling on every seed (a dense cache that answers
+    everything) and a's reward right with probability 0.95: a is skewed (a run of seeds without a miss has a high mean
+    and no spread). Without the floor sqrt(r * margin) it says "holds" 4 % of the time at 64 prompts; with it, at most
+    alpha. Digit credit the same."""
+    m = Measure.rewards(prompts)
+    for arm in (binary(0.95, prompts), digits(0.95, prompts)):
+        assert simulate(RULE, draw(arm, seed=30), 1.0, margin=0.05, measure=m)[HOLDS] <= 0.025
+    no_floor = Measure(0.0, 1.0, None)  # what the floor prevents (se 0 already undecided): the skew alone
+    if prompts == 64:
+        assert simulate(RULE, draw(binary(0.95, 64), seed=30), 1.0, margin=0.05, measure=no_floor)[HOLDS] > 0.03
+
+
+def test_a_cell_at_the_ceiling_is_uninformative_and_se_zero_never_decides():
+    """Every run of both cells at the reward's bound: "uninformative (ceiling)" ("(floor)"), final, never "holds";
+    a standard error of 0 with a non-zero difference is not "holds" either (before: the sign of d decided)."""
+    m = Measure.rewards(16)
+    ones = [1.0] * 3
+    d = sequential([0.0] * 3, Sequential((3,)), 0.05, m, (ones, ones))  # near-lossless, measured on nothing
+    assert (d.verdict, d.pending, d.seeds) == (CEILING, False, 3)
+    d = sequential([0.0] * 3, RULE, None, m, ([0.0] * 3, [0.0] * 3))  # at the first look of three: final, no more seeds
+    assert (d.verdict, d.pending) == (FLOOR, False)
+    assert sequential([0.0, -1 / 16, 0.0], RULE, 0.05, m, (ones, [1.0, 1.0, 15 / 16])).verdict == INCONCLUSIVE  # one miss: measured
+    assert greater(Cell(1 / 16, 0.0, 3)) == INCONCLUSIVE and not_worse(Cell(-0.01, 0.0, 3), 0.05) == INCONCLUSIVE  # was holds
+    assert greater(Cell(0.3, 1e-17, 3)) == INCONCLUSIVE  # float rounding of a constant difference is still se 0
+    assert at_most(Cell(1.2, 0.0, 3), 1.1) == INCONCLUSIVE and at_most(Cell(1.2, None, 1), 1.1) == FAILS  # exact: compared as is
+    # with the resolution known the floor decides: se = (1/16) / sqrt(3) = 0.0361, t = 0.3 / 0.0361 = 8.3 > 4.30
+    assert greater(Cell(0.3, 0.0, 3), measure=m) == HOLDS and greater(Cell(1 / 16, 0.0, 3), measure=m) == INCONCLUSIVE  # t = 1.73
+    d = sequential([0.3] * 3, Sequential((3,)), measure=m)
+    assert d.verdict == HOLDS and d.se == pytest.approx(1 / 16 / math.sqrt(3)) and d.floored
+
+
+def test_the_floor_by_hand():
+    """sd_floor = sqrt(r * max(r, |null|)): one prompt's worth for a > b, sqrt(r * margin) for parity when larger."""
+    assert Measure.rewards(16).sd_floor() == pytest.approx(1 / 16) and Measure.rewards(16).sd_floor(-0.05) == pytest.approx(1 / 16)
+    assert Measure.rewards(64).sd_floor(-0.05) == pytest.approx(math.sqrt(0.05 / 64))  # 0.028 > 1/64
+    assert EXACT.sd_floor(-0.05) == 0.0 and Measure.rewards(None).resolution is None
+    assert Measure.rewards(16).se(Cell(0.1, 0.01, 4)) == pytest.approx(1 / 16 / 2) and Measure.rewards(16).se(Cell(0.1, 0.05, 4)) == 0.05  # sd 0.02, 0.1
+    assert Measure(0.0, 1.0).bound([1.0, None, 1.0]) == CEILING and Measure(0.0, 1.0).bound([1.0, 0.99]) is None
+
+
+def test_seeds_needed_and_detectable_at_the_last_looks_alpha():
+    """Undecided at the cap: the detectable difference is (c_K + t_0.8) se and the seeds a decision needs are counted at
+    the last look's alpha_K (0.020 of the 0.025), both with the floored standard error; worked out by hand."""
+    spend = RULE.spend()
+    diffs = [1 / 16, 0.0, 1 / 16, 0.0, 1 / 16, 1 / 16, 0.0, 1 / 16]  # mean 5/128, sd 0.0334 < the floor 1/16
+    d = sequential(diffs, RULE, measure=Measure.rewards(16))
+    assert (d.verdict, d.seeds, d.pending) == (INCONCLUSIVE, 8, False) and d.floored
+    se = (1 / 16) / math.sqrt(8)
+    assert d.se == pytest.approx(se) and d.detectable == pytest.approx((t_quantile(1 - spend[2], 7) + t_quantile(0.8, 7)) * se)
+    def needed(alpha):
+        return next(n for n in range(2, 64) if (t_quantile(1 - alpha, n - 1) + t_quantile(0.8, n - 1)) / 16 / math.sqrt(n) <= 5 / 128)
+    assert d.seeds_needed == needed(spend[2]) == 24 and needed(0.025) == 23  # at the whole alpha it would promise one seed fewer
 
 
 def test_sequential_rule_finds_a_known_difference():
@@ -123,7 +248,7 @@ def test_sequential_rule_finds_a_known_difference():
     rule = Sequential((3, 5, 8))
     sd = 0.1
     promised = (critical(8, rule.spend()[-1]) + t_quantile(0.8, 7)) * sd / math.sqrt(8)  # detectable at the cap
-    found = simulate(rule, promised, normal(sd), seed=4)
+    found = simulate(rule, draw(normal(sd), promised, seed=4))
     assert found[HOLDS] == pytest.approx(0.8, abs=0.01) and found[FAILS] < 1e-4
     rng = random.Random(4)
     early = [sequential([0.4 + rng.gauss(0, sd) for _ in range(8)], rule) for _ in range(500)]

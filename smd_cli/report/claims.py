@@ -4,7 +4,10 @@ Every verdict is computed here from the sweeps, never typed: two cells (an algor
 value) are compared seed by seed (`Sweep.paired`: a seed's runs share their warm start, prompts and sampling)
 and judged by `smd_cli.stats.sequential`, the t test on the paired differences looked at as seeds come in
 (`holds` / `does not hold` / `inconclusive`, with the detectable difference when it stays inconclusive at the
-cap). A claim is judged twice, once per way of evaluating the policies on the held-out split: with a dense KV
+cap). The verdict knows the metric (`measure`): a held-out reward in [0, 1] averaged over the runs' held-out
+prompts (`eval.num_prompts` of each run's config.json), so its standard error is never below what one prompt's
+worth allows, and a comparison whose runs all sit at the reward's ceiling (or floor) says "uninformative
+(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). A claim is judged twice, once per way of evaluating the policies on the held-out split: with a dense KV
 cache, and under the run's eviction (a dense-trained policy under SnapKV at the same compression), since the
 paper's tables do not say which one they use and SMD optimises the second.
 
@@ -18,10 +21,13 @@ The paper's numbers are from `../shared/REFERENCES.md` section 1 (the paper's bo
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 
 from smd_cli.report.data import Sweep
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, Decision, Sequential, number, sequential
+from smd_cli.stats import CEILING, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Cell, Decision, Measure, Sequential, number, sequential
 
 MARGIN = 0.05  # "matches" / "robust": not worse by more than 0.05 of the metric (fixed before any run)
 VIEWS = {"dense cache": "eval/reward_after", "under eviction": "eval/evict/reward_after"}
@@ -30,9 +36,12 @@ NAMES = {"smd": "SMD", "dense": "dense", "naive_sparse": "naive compression", "s
          "icepop": "IcePop", "trm": "TRM"}
 NOT_MEASURED = "not measured"
 
-GREATER = "a > b: holds if t = d / se > c, does not hold if t < -c (d: mean of the per-seed a - b; c: the look's critical value)"
+UNINFORMATIVE = (CEILING, FLOOR)
+GREATER = ("a > b: holds if t = d / se > c, does not hold if t < -c (d: mean of the per-seed a - b; c: the look's critical value; "
+           "se at least one held-out prompt's worth; every run at the reward's bound: uninformative)")
 NOT_WORSE = (f"a matches b: holds if t = (d + {MARGIN}) / se >= c, does not hold if t < -c (a worse than b by more than {MARGIN}; "
-             "c: the look's critical value)")
+             f"c: the look's critical value; se at least sqrt({MARGIN} / N) / sqrt(n) over N held-out prompts; every run at the "
+             "reward's bound: uninformative)")
 
 
 @dataclass
@@ -55,17 +64,44 @@ class Finding:
         return self.decision is not None and self.decision.pending
 
 
-def _difference(d: Cell, margin: float | None) -> str:
+@lru_cache(maxsize=None)
+def _prompts(run_dir: str) -> int | None:
+    """The held-out prompts a run evaluated (`eval.num_prompts` of its config.json), None when it does not say."""
+    try:
+        n = json.loads((Path(run_dir) / "config.json").read_text())["eval"]["num_prompts"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def measure(sweep: Sweep, *cells: dict) -> Measure:
+    """The held-out reward of these cells as a verdict must know it: in [0, 1], averaged over the fewest held-out
+    prompts any of their runs evaluated (the coarsest resolution); no resolution when a run's config does not say."""
+    counts = [_prompts(str(r.dir)) for sel in cells for r in sweep.select(**sel) if r.ok]
+    return Measure.rewards(None if not counts or None in counts else min(counts))
+
+
+def _difference(dec: Decision, margin: float | None, m: Measure) -> str:
+    d = dec.d
     if d.mean is None:
         return "no paired seeds"
     text = f"paired difference {d.mean:+.3f}" + ("" if d.se is None else f" ± {d.se:.3f}") + f" over {d.n} seeds"
-    if d.se is not None and d.se > 1e-9:
-        text += f", t = {(d.mean + (margin or 0.0)) / d.se:.3g}"
+    if dec.se is not None and dec.se > 1e-9 and dec.verdict not in UNINFORMATIVE:
+        if dec.floored:
+            text += (f", se floored at {number(dec.se)} (the reward's resolution: one of {round(1 / m.resolution)} held-out prompts"
+                     + (f", sqrt({margin} / N) within the margin" if margin and margin > m.resolution else "") + ")")
+        text += f", t = {(d.mean + (margin or 0.0)) / dec.se:.3g}"
+    elif d.se is not None and d.se <= 1e-9 and dec.verdict not in UNINFORMATIVE:
+        text += ", se 0 and the number of held-out prompts unknown: nothing measured"
     return text
 
 
 def outcome(dec: Decision, rule: Sequential, margin: float | None = None, paper_diff: float | None = None) -> str:
     """The decision's look, critical value and, undecided, what it would take."""
+    if dec.verdict in UNINFORMATIVE:
+        where = "ceiling (1)" if dec.verdict == CEILING else "floor (0)"
+        return (f"; every run of both cells at the reward's {where} over {dec.seeds} seeds: the metric cannot tell them apart "
+                "here (uninformative, not a verdict; no seed count decides it)")
     if dec.critical is None:
         return "; fewer than 2 paired seeds" + (f", next look at {rule.next_look(dec.seeds) or rule.looks[0]} seeds" if dec.pending else "")
     look = f"look {rule.looks.index(dec.seeds) + 1} of {len(rule.looks)}" if dec.seeds in rule.looks else f"{dec.seeds} seeds"
@@ -86,12 +122,14 @@ def compare(claim, paper, sweep: Sweep, role: str, scope: str, a: dict, b: dict,
     """One finding per evaluation view: a vs b (swept values), `stats.sequential` on their per-seed differences
     (with `margin`: the parity test)."""
     out = []
+    m = measure(sweep, a, b)
     for view, metric in VIEWS.items():
         seeds, diffs = sweep.paired(metric, a, b)
-        dec = sequential(diffs, rule, margin)
+        va, vb = sweep.by_seed(metric, **a), sweep.by_seed(metric, **b)
+        dec = sequential(diffs, rule, margin, m, ([va.get(s) for s in seeds], [vb.get(s) for s in seeds]))
         used = seeds[: dec.seeds]
         evidence = (f"{names[0]} {sweep.cell(metric, used, **a)} vs {names[1]} {sweep.cell(metric, used, **b)}; "
-                    + _difference(dec.d, margin) + outcome(dec, rule, margin, paper_diff))
+                    + _difference(dec, margin, m) + outcome(dec, rule, margin, paper_diff))
         out.append(Finding(claim, paper, GREATER if margin is None else NOT_WORSE, scope, evidence, dec.verdict, view, dec,
                            ((role, a), (role, b)), paper_diff, group, pair))
     return out
@@ -133,11 +171,13 @@ def main_table(sweep: Sweep, rule: Sequential, role: str = "main") -> list[Findi
 
 def composite(parts: dict[str, list[Finding]], claim: str, paper: str, scope: str, rule_text: str, view: str) -> Finding:
     """A claim made of several comparisons (each judged at alpha / their number, `Sequential.split`): holds if every
-    part holds, does not hold if any part does not, pending while a part is pending, else inconclusive."""
+    part holds, does not hold if any part does not, uninformative (ceiling) if every part is, pending while a part is
+    pending, else inconclusive."""
     found = {name: next(f for f in fs if f.view == view) for name, fs in parts.items()}
     verdicts = {f.verdict for f in found.values()}
     pending = [f for f in found.values() if f.pending]
-    verdict = FAILS if FAILS in verdicts else HOLDS if verdicts == {HOLDS} else INCONCLUSIVE
+    verdict = (FAILS if FAILS in verdicts else HOLDS if verdicts == {HOLDS} else verdicts.pop()
+               if len(verdicts) == 1 and verdicts <= set(UNINFORMATIVE) else INCONCLUSIVE)
     decisions = [f.decision for f in found.values()]
     decision = Decision(verdict, min(d.seeds for d in decisions), Cell(None, None, 0), None,
                         pending=verdict == INCONCLUSIVE and bool(pending),

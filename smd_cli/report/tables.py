@@ -128,6 +128,7 @@ def recover_sentences(findings: list[Finding]) -> list[str]:
             groups.setdefault((f.scope, f.view), {}).setdefault(f.verdict, []).append(f.pair[0])
     for (scope, view), verdicts in groups.items():
         parts = [f"{label}: {', '.join(verdicts[v])}" for v, label in (("holds", "recover"), ("does not hold", "do not"),
-                                                                      ("inconclusive", "undecided")) if verdicts.get(v)]
+                                                                      ("inconclusive", "undecided"), ("uninformative (ceiling)", "at the ceiling"),
+                                                                      ("uninformative (floor)", "at the floor")) if verdicts.get(v)]
         lines.append(f"{scope}, {view}: " + "; ".join(parts))
     return lines

@@ -183,7 +183,11 @@ def _claims_section(r: Report, found: list[claims.Finding], rest: list[claims.Fi
            "Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`, "
            "`smd_cli/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and sampling "
            "seed, so d is the mean of the per-seed differences and se its standard error (the spread between warm starts cancels "
-           f"out), t = d / se (for 'matches', within the margin {claims.MARGIN}: t = (d + {claims.MARGIN}) / se). Seeds until "
+           f"out), t = d / se (for 'matches', within the margin {claims.MARGIN}: t = (d + {claims.MARGIN}) / se). The held-out "
+           "reward is a mean over N prompts, so se is never taken below what its resolution allows (a per-seed spread of at least "
+           f"one prompt's worth 1/N, and sqrt({claims.MARGIN} / N) for 'matches'), and a comparison whose runs all sit at the "
+           "reward's bound says 'uninformative (ceiling)' (or floor): nothing was measured (`smd_cli/stats.py` says why, "
+           "`tests/test_stats.py` simulates it). Seeds until "
            "decided: a comparison is looked at when the seeds below are in and stops at the first look where |t| passes that "
            "look's critical value c (Student t, n - 1 degrees of freedom, at the look's share alpha_k of the one-sided error "
            f"alpha = {rule.alpha}: O'Brien-Fleming-type spending, Bonferroni over the looks, so the chance of a wrong 'holds' "
@@ -218,9 +222,11 @@ def _tally(found: list[claims.Finding]) -> list[str]:
         if not group:
             continue
         count = {v: sum(f.verdict == v for f in group) for v in (HOLDS, FAILS, INCONCLUSIVE)}
+        bound = sum(f.verdict in claims.UNINFORMATIVE for f in group)
         pending = sum(f.pending for f in group)
         lines.append(f"Of {len(group)} verdicts on {name}: {count[HOLDS]} hold, {count[FAILS]} do not hold, {count[INCONCLUSIVE]} "
-                     "inconclusive" + (f" ({pending} of them pending: a later look would add seeds)" if pending else " at the cap") + ".")
+                     "inconclusive" + (f" ({pending} of them pending: a later look would add seeds)" if pending else " at the cap")
+                     + (f", {bound} uninformative (every run at the reward's bound)" if bound else "") + ".")
     return lines
 
 
