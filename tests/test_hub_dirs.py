@@ -55,7 +55,8 @@ def test_gemma2_is_refused_for_its_attention_before_anything_is_built(tmp_path, 
 
 def test_an_unknown_model_type_with_auto_map_names_trust_remote_code(tmp_path, capsys, tiny_tokenizer):
     config = {"model_type": "mything", "architectures": ["MyThingForCausalLM"], "vocab_size": 300,
-              "auto_map": {"AutoConfig": "configuration_mything.MyThingConfig", "AutoModelForCausalLM": "modeling_mything.MyThingForCausalLM"}}
+              "auto_map": {"AutoConfig": "configuration_mything.MyThingConfig",
+                           "AutoModelForCausalLM": "modeling_mything.MyThingForCausalLM"}}
     why = refused(tmp_path, capsys, directory(tmp_path, "custom", config, tiny_tokenizer))
     assert why.startswith("its model_type 'mything' is not one transformers ")
     assert why.endswith("its config.json's auto_map builds it with Python code of its own (configuration_mything.py, "

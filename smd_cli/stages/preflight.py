@@ -58,7 +58,9 @@ def interpolation_problem(value: str) -> str | None:
     except GrammarParseError as err:
         return f"OmegaConf cannot parse its interpolation ({str(err).strip().splitlines()[0]})"
     unknown = [name for name in re.findall(r"\$\{\s*([\w.]+)\s*:", value) if not OmegaConf.has_resolver(name)]
-    return f"it uses ${{{unknown[0]}:...}}, a resolver OmegaConf does not have (e.g. ${{now:%H-%M-%S}}, ${{oc.env:VAR}})" if unknown else None
+    if unknown:
+        return f"it uses ${{{unknown[0]}:...}}, a resolver OmegaConf does not have (e.g. ${{now:%H-%M-%S}}, ${{oc.env:VAR}})"
+    return None
 
 
 def value_of(arg: str):
