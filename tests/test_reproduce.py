@@ -144,7 +144,8 @@ def test_quick_reproduce_end_to_end(tmp_path):
     parity = machinery_["The shadow mask makes the learner's policy the sampler's"]
     assert parity["verdict"] == ("**does not hold**" if wrong else "**holds**") and f"in float64 up to {wide:.2g}" in parity["evidence"]
     verdicts = list(csv.DictReader((out / "claims.csv").open()))
-    assert verdicts and all(v["verdict"] == "inconclusive" for v in verdicts if v["seeds"])  # one seed decides nothing
+    assert verdicts and all(v["verdict"] not in (HOLDS, FAILS) for v in verdicts if v["seeds"])  # one seed decides nothing
+    # (inconclusive, or uninformative where every run of both cells sits at the reward's bound)
     seeds = list(csv.DictReader((out / "seeds_vote.csv").open()))  # each seed's warm start beside every algorithm
     assert len(seeds) == 1 and float(seeds[0]["warm start: answer KV kept"]) == pytest.approx(summary["eval/evict/kept_before"], abs=5e-3)
     for png in ("curves_vote.png", "evidence_vote.png", "seeds_vote.png", "ablate_compression.png", "ablate_lambda.png", "ablate_selection.png"):
