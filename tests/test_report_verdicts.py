@@ -19,7 +19,8 @@ EVICT = {"dense": (0.5, 0.5, 0.5625), "naive_sparse": (0.5, 0.5625, 0.4375), "sp
 
 
 def small_sweep(tmp_path, prompts: int = 16):
-    runs = [({"algo": a, "seed": str(s)}, {"eval/evict/reward_after": EVICT[a][s], "eval/reward_after": 1.0}) for a in EVICT for s in range(3)]
+    runs = [({"algo": a, "seed": str(s)}, {"eval/evict/reward_after": EVICT[a][s], "eval/reward_after": 1.0})
+            for a in EVICT for s in range(3)]
     sweep = fake_sweep(tmp_path, "main", ["algo", "seed"], runs)
     for run in sweep.runs:  # the runs' own config: their held-out prompts
         (run.dir / "config.json").write_text(json.dumps({**FAKE_CONFIG, "eval": {**FAKE_CONFIG["eval"], "num_prompts": prompts}}))
@@ -43,7 +44,8 @@ def test_a_ceiling_is_uninformative_and_one_prompt_is_the_least_spread(tmp_path)
     assert (one.verdict, one.decision.d.mean, one.decision.d.se) == (INCONCLUSIVE, 1 / 16, 0.0)
     assert 0.0625 / se < t_quantile(1 - 0.025, 2)  # t = 1.73 against 4.30
     report = write_report(tmp_path / "report", {"main": sweep}, {}, {"scale": "small"}).read_text()
-    assert "| SMD is near-lossless against dense at 50 % compression | GSM8K 73.6 vs 74.5 | main table | **uninformative (ceiling)** (" in report
+    assert ("| SMD is near-lossless against dense at 50 % compression | GSM8K 73.6 vs 74.5 | main table | "
+            "**uninformative (ceiling)** (") in report
     assert "4 uninformative (every run at the reward's bound)" in report  # the paper's four claims, dense cache
     assert "- main table, dense cache: at the ceiling: smd, naive_sparse, sparse_rl" in report
     rows = [r for r in csv.DictReader((tmp_path / "report" / "claims.csv").open()) if r["view"] == "dense cache"]

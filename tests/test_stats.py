@@ -224,7 +224,8 @@ def test_the_floor_by_hand():
     assert Measure.rewards(16).sd_floor() == pytest.approx(1 / 16) and Measure.rewards(16).sd_floor(-0.05) == pytest.approx(1 / 16)
     assert Measure.rewards(64).sd_floor(-0.05) == pytest.approx(math.sqrt(0.05 / 64))  # 0.028 > 1/64
     assert EXACT.sd_floor(-0.05) == 0.0 and Measure.rewards(None).resolution is None
-    assert Measure.rewards(16).se(Cell(0.1, 0.01, 4)) == pytest.approx(1 / 16 / 2) and Measure.rewards(16).se(Cell(0.1, 0.05, 4)) == 0.05  # sd 0.02, 0.1
+    assert Measure.rewards(16).se(Cell(0.1, 0.01, 4)) == pytest.approx(1 / 16 / 2)  # sd 0.02 < 1/16
+    assert Measure.rewards(16).se(Cell(0.1, 0.05, 4)) == 0.05  # sd 0.1: the seeds' own
     assert Measure(0.0, 1.0).bound([1.0, None, 1.0]) == CEILING and Measure(0.0, 1.0).bound([1.0, 0.99]) is None
 
 

@@ -7,9 +7,10 @@ and judged by `smd_cli.stats.sequential`, the t test on the paired differences l
 cap). The verdict knows the metric (`measure`): a held-out reward in [0, 1] averaged over the runs' held-out
 prompts (`eval.num_prompts` of each run's config.json), so its standard error is never below what one prompt's
 worth allows, and a comparison whose runs all sit at the reward's ceiling (or floor) says "uninformative
-(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). A claim is judged twice, once per way of evaluating the policies on the held-out split: with a dense KV
-cache, and under the run's eviction (a dense-trained policy under SnapKV at the same compression), since the
-paper's tables do not say which one they use and SMD optimises the second.
+(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). A claim is judged twice, once per way of
+evaluating the policies on the held-out split: with a dense KV cache, and under the run's eviction (a dense-trained
+policy under SnapKV at the same compression), since the paper's tables do not say which one they use and SMD
+optimises the second.
 
 The main table's claims are generic over the algorithms its sweep holds: the paper's (SMD near-lossless against
 dense, SMD beats Sparse-RL and naive compression, naive falls behind dense) and, for every other rollout

@@ -127,8 +127,8 @@ def recover_sentences(findings: list[Finding]) -> list[str]:
         if f.pair[1] == "dense" and f.rule == NOT_WORSE:
             groups.setdefault((f.scope, f.view), {}).setdefault(f.verdict, []).append(f.pair[0])
     for (scope, view), verdicts in groups.items():
-        parts = [f"{label}: {', '.join(verdicts[v])}" for v, label in (("holds", "recover"), ("does not hold", "do not"),
-                                                                      ("inconclusive", "undecided"), ("uninformative (ceiling)", "at the ceiling"),
-                                                                      ("uninformative (floor)", "at the floor")) if verdicts.get(v)]
+        labels = (("holds", "recover"), ("does not hold", "do not"), ("inconclusive", "undecided"),
+                  ("uninformative (ceiling)", "at the ceiling"), ("uninformative (floor)", "at the floor"))
+        parts = [f"{label}: {', '.join(verdicts[v])}" for v, label in labels if verdicts.get(v)]
         lines.append(f"{scope}, {view}: " + "; ".join(parts))
     return lines
