@@ -187,7 +187,8 @@ def load_named(name: str, dtype: str = "float32"):
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
-    from smd_cli.stages.common import build_task, load_model, weights_label
+    from smd_cli.stages.factories import build_task
+    from smd_cli.stages.model_loading import load_model, weights_label
 
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="rollout", overrides=[f"model={name}", f"model.dtype={dtype}", "task=passkey", "device=cpu", "progress=false",

@@ -26,7 +26,9 @@ from transformers import AutoModelForCausalLM
 
 from smd_cli.cli import CONF_DIR, register_recipes
 from smd_cli.evaluation import evaluate
-from smd_cli.stages.common import build_policy, build_task, load_examples, load_model
+from smd_cli.stages.factories import build_policy, build_task
+from smd_cli.stages.model_loading import load_model
+from smd_cli.stages.prompts import load_examples
 
 SIZES = (128, 256, 512, 1024)
 

@@ -75,7 +75,8 @@ def our_side(args) -> tuple[dict, dict]:
 
     from smd_cli.cli import CONF_DIR
     from smd_cli.rollout import generate, response_texts
-    from smd_cli.stages.common import build_policy, build_task, load_model, model_source, weights_label
+    from smd_cli.stages.factories import build_policy, build_task
+    from smd_cli.stages.model_loading import load_model, model_source, weights_label
 
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="eval", overrides=["model=smollm2_135m", "task=passkey", "device=cpu", "progress=false", "threads=2",

@@ -34,7 +34,8 @@ from hydra import compose, initialize_config_dir
 from smd_cli.cli import CONF_DIR
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.rollout import generate, response_texts
-from smd_cli.stages.common import build_policy, build_task, load_model, weights_label
+from smd_cli.stages.factories import build_policy, build_task
+from smd_cli.stages.model_loading import load_model, weights_label
 from smd_cli.stages.rollout import parity_report
 
 POLICIES = ["snapkv", "h2o", "recent", "random", "knorm"]

@@ -4,7 +4,7 @@
 (`models.load_hub_model`: safetensors weights, SDPA attention, the tokenizer beside them): an empty directory, no
 or a broken `config.json`, a `model_type` transformers does not know (with an `auto_map`: code of the directory's
 own, run only with `model.trust_remote_code=true`), an architecture without SDPA attention (Gemma 2), no tokenizer,
-no safetensors weights. (A Hub id is judged from its config once transformers has it: `stages.common`.)
+no safetensors weights. (A Hub id is judged from its config once transformers has it: `stages.model_loading`.)
 """
 
 from __future__ import annotations

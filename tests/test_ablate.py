@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from smd_cli.cli import sweep_arguments
 from smd_cli.stages import ablate as stage
 from smd_cli.stages import sweep
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.sweep import error_message, failure_reason, parse_sweep, sweep_of
 from smd_cli.sweep_tables import write_plot
 from tests.conftest import smd

@@ -17,7 +17,7 @@ from smd_cli.cli import CONF_DIR, register_recipes
 from smd_cli.io import read_jsonl
 from smd_cli.learner import TrainingDiverged
 from smd_cli.stages import train
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.evaluate import checkpoint_dir
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",

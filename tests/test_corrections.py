@@ -193,7 +193,7 @@ def test_a_composition_needs_a_known_view_and_distils_only_the_shadow_view():
 ])
 def test_a_bad_composition_is_a_config_error(tmp_path, overrides, message):
     from smd_cli.stages import train
-    from smd_cli.stages.common import ConfigError
+    from smd_cli.stages.checks import ConfigError
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"+run_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}"])

@@ -23,10 +23,10 @@ from safetensors import SafetensorError
 
 from smd_cli import integrity, weights
 from smd_cli.cli import CONF_DIR
-from smd_cli.stages import common
+from smd_cli.stages import model_loading
 from smd_cli.stages import rollout as rollout_stage
 from smd_cli.stages import sweep
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages.checks import ConfigError
 from tests.conftest import smd
 
 ROOT = CONF_DIR.parent
@@ -49,7 +49,7 @@ def gguf(tmp_path, monkeypatch):
     (site / PACKAGE / "__init__.py").write_text("")
     (site / PACKAGE / GGUF).write_bytes(b"GGUF fake weights")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(common, "_SOURCES", {})
+    monkeypatch.setattr(model_loading, "_SOURCES", {})
     built = []
 
     def dequantise(gguf_path, out):
@@ -75,8 +75,8 @@ def real_model_config(tmp_path, cache=None, *overrides):
 def load(cfg):
     import torch
 
-    common._SOURCES.clear()
-    return common.load_model(cfg, None, torch.device("cpu"), progress=False)
+    model_loading._SOURCES.clear()
+    return model_loading.load_model(cfg, None, torch.device("cpu"), progress=False)
 
 
 def test_a_read_only_cache_holding_valid_weights_is_read_and_one_without_them_is_named(tmp_path, gguf, monkeypatch):

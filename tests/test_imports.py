@@ -1,11 +1,13 @@
 """Imports run one way (STYLE.md): cli -> stages -> library; only cli.py and stages/ see Hydra/OmegaConf;
-stages do not import each other (their shared helpers live in common.py, rules.py, train_state.py, train_summary.py and sweep.py)."""
+stages do not import each other (their shared helpers live in checks.py, console.py, factories.py, prompts.py, model_loading.py,
+warm_cache.py, run_dirs.py, rules.py, planning.py, train_state.py, train_parity.py, train_summary.py and sweep.py)."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "smd_cli"
-STAGE_HELPERS = {"common", "train_state", "train_summary", "sweep", "rules"}
+STAGE_HELPERS = {"checks", "console", "factories", "prompts", "model_loading", "warm_cache", "run_dirs", "rules", "planning",
+                 "train_state", "train_parity", "train_summary", "sweep"}
 
 
 def imports(path: Path) -> set[str]:

@@ -21,7 +21,7 @@ from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.rollout import generate
 from smd_cli.stages import plan as plan_stage
 from smd_cli.stages import train
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages.checks import ConfigError
 
 TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=4", "task.prompt_tokens=48",
             "model.warmstart.steps=5", "progress=false"]

@@ -13,7 +13,8 @@ from smd_cli.attention import ATTENTION
 from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.models import build_tiny_model, build_tiny_tokenizer
 from smd_cli.stages import train
-from smd_cli.stages.common import build_task, load_model
+from smd_cli.stages.factories import build_task
+from smd_cli.stages.model_loading import load_model
 
 ONE_LAYER = ["model=qwen3_4b_random", "model.config.num_hidden_layers=1", "progress=false"]
 SHORT = ["task.prompt_tokens=64", "sampling.max_new_tokens=3"]

@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from smd_cli import weights
 from smd_cli.rollout import generate, response_texts
 from smd_cli.stages import rollout, train
-from smd_cli.stages.common import build_task, load_model
+from smd_cli.stages.factories import build_task
+from smd_cli.stages.model_loading import load_model
 from smd_cli.tasks.passkey import Passkey
 from tests.conftest import ROOT
 
@@ -86,7 +87,7 @@ def test_offline_auto_source_falls_back_to_the_gguf(real_model_cache, monkeypatc
 
 def test_passkey_key_tokens_are_the_evidence(real_model_cache, tmp_path):
     cfg = compose_stage("rollout", real_model_cache, tmp_path, "task=passkey", "task.prompt_tokens=120", "task.depth=0.25")
-    tokenizer = __import__("smd_cli.stages.common", fromlist=["load_tokenizer"]).load_tokenizer(cfg)
+    tokenizer = __import__("smd_cli.stages.model_loading", fromlist=["load_tokenizer"]).load_tokenizer(cfg)
     task = build_task(cfg)
     example = task.example("test", 3)
     text, ids = task.fit_prompt(example, tokenizer)

@@ -20,8 +20,8 @@ from smd_cli import integrity
 from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.io import read_jsonl
 from smd_cli.learner import TrainingDiverged
-from smd_cli.stages import common, train, train_state
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages import run_dirs, train, warm_cache
+from smd_cli.stages.checks import ConfigError
 
 ROOT = CONF_DIR.parent
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",
@@ -271,7 +271,7 @@ def test_a_resume_on_a_full_disk_removes_the_stale_partial_write_before_writing_
     stale = run / "checkpoints" / ".step_000002.tmp"
     (stale / "model").mkdir(parents=True)
     written = []
-    monkeypatch.setattr(common, "write_provenance", lambda *a: written.append(stale.exists()))
+    monkeypatch.setattr(run_dirs, "write_provenance", lambda *a: written.append(stale.exists()))
     train_run(run, cache, "steps=2", "resume=true")
     assert written == [False]
 
@@ -291,7 +291,7 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, cache, signal)
 
 
 def test_a_prompt_longer_than_the_model_is_refused_before_any_warm_start(tmp_path, cache, monkeypatch):
-    monkeypatch.setattr(common, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
+    monkeypatch.setattr(warm_cache, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     with pytest.raises(ConfigError, match=r"task.prompt_tokens=100000 is not allowed: .* exceeds model=tiny's 4096 positions"):
         train_run(tmp_path / "run", cache, "task.prompt_tokens=100000")
 
@@ -299,6 +299,6 @@ def test_a_prompt_longer_than_the_model_is_refused_before_any_warm_start(tmp_pat
 def test_resume_with_a_changed_model_is_refused_before_any_warm_start(tmp_path, cache, monkeypatch):
     run = tmp_path / "run"
     train_run(run, cache, "steps=1")
-    monkeypatch.setattr(common, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
+    monkeypatch.setattr(warm_cache, "warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     with pytest.raises(ConfigError, match=r"other settings \(model.config.hidden_size: 64 -> 128\)"):
         train_run(run, cache, "steps=2", "resume=true", "model.config.hidden_size=128")

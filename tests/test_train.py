@@ -14,7 +14,7 @@ from smd_cli.learner import Algorithm, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.rollout import generate
 from smd_cli.stages import train
-from smd_cli.stages.common import ConfigError
+from smd_cli.stages.checks import ConfigError
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 REPO = Path(__file__).resolve().parents[1]  # the repository whose code runs (smd_cli is imported from it)

@@ -13,7 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from smd_cli import weights
-from smd_cli.stages.common import build_task, load_model
+from smd_cli.stages.factories import build_task
+from smd_cli.stages.model_loading import load_model
 from tests.conftest import ROOT
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

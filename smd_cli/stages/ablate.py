@@ -23,7 +23,9 @@ from rich.markup import escape
 from smd_cli import integrity
 from smd_cli.io import write_json
 from smd_cli.stats import aggregate
-from smd_cli.stages.common import ConfigError, console, start_run
+from smd_cli.stages.checks import ConfigError
+from smd_cli.stages.console import console
+from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
 from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table

@@ -19,8 +19,12 @@ from rich.table import Table
 from smd_cli.io import write_json
 from smd_cli.parity import JUDGED, ParityFailed, Settings, check
 from smd_cli.rollout import generate
-from smd_cli.stages.common import (ROOT, build_policy, build_task, console, encode_prompt, load_examples, load_model, start_run,
-                                  to_dict)
+from smd_cli.stages.checks import ROOT, to_dict
+from smd_cli.stages.console import console
+from smd_cli.stages.factories import build_policy, build_task
+from smd_cli.stages.model_loading import load_model
+from smd_cli.stages.prompts import encode_prompt, load_examples
+from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 
 VIEWS = ("shadow", "physical", "shadow_float64", "dense")  # the table's columns

@@ -23,8 +23,12 @@ from smd_cli import distributed, integrity, models, weights
 from smd_cli.evaluation import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.common import (ConfigError, build_policy, build_task, check, check_prompts, check_replayable, compute_dtype, console,
-                                  load_examples, load_model, load_tokenizer, mark_weights, print_metrics, record_weights, start_run)
+from smd_cli.stages.checks import ConfigError, check
+from smd_cli.stages.console import console, print_metrics
+from smd_cli.stages.factories import build_policy, build_task
+from smd_cli.stages.model_loading import check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights, record_weights
+from smd_cli.stages.prompts import check_prompts, load_examples
+from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 
 

@@ -18,7 +18,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.stages.common import ROOT, ConfigError
+from smd_cli.stages.checks import ROOT, ConfigError
 from smd_cli.stages.rules import PATTERNS, RULES, TASK_FIELDS, _is_node, check_config, rule_for
 
 

@@ -38,7 +38,9 @@ from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
 from smd_cli.report.write import write_report
-from smd_cli.stages.common import ROOT, ConfigError, check, console, start_run
+from smd_cli.stages.checks import ROOT, ConfigError, check
+from smd_cli.stages.console import console
+from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import distinct, finished, plan
 from smd_cli.stats import Sequential

@@ -22,8 +22,11 @@ from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.sampling import token_logprobs
 from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.stages.common import (build_policy, build_task, console, encode_prompt, load_examples, load_model, print_metrics,
-                                  record_weights, start_run)
+from smd_cli.stages.console import console, print_metrics
+from smd_cli.stages.factories import build_policy, build_task
+from smd_cli.stages.model_loading import load_model, record_weights
+from smd_cli.stages.prompts import encode_prompt, load_examples
+from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 
 

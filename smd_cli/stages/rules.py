@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from smd_cli.learner import VIEWS
 from smd_cli.sampling import MAX_SUPPORT
-from smd_cli.stages.common import DTYPES, ROOT, ConfigError
+from smd_cli.stages.checks import DTYPES, ROOT, ConfigError
 
 
 @dataclass(frozen=True)

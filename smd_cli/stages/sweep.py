@@ -36,7 +36,7 @@ from rich.markup import escape
 
 from smd_cli import integrity, lifetime
 from smd_cli.io import write_json
-from smd_cli.stages.common import ROOT, ConfigError
+from smd_cli.stages.checks import ROOT, ConfigError
 from smd_cli.stages.rules import check_config
 
 OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason

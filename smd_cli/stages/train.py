@@ -41,10 +41,13 @@ from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
 from smd_cli.parity import ParityFailed
-from smd_cli.stages.common import (ConfigError, build_correction, build_policy, build_task, check, check_context, check_offload,
-                                  check_prompts, compute_dtype, console, encode_prompt, load_examples, load_model, load_tokenizer,
-                                  optimizer_factory, pick_device, record_weights, start_run)
-from smd_cli.stages.plan import check_fits
+from smd_cli.stages.checks import ConfigError, check, check_offload
+from smd_cli.stages.console import console
+from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory
+from smd_cli.stages.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
+from smd_cli.stages.prompts import check_prompts, encode_prompt, load_examples
+from smd_cli.stages.run_dirs import pick_device, start_run
+from smd_cli.stages.planning import check_fits
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
                                        stop_diverged)

@@ -16,7 +16,9 @@ from smd_cli import checkpoint as ckpt
 from smd_cli import collapse, distributed
 from smd_cli.io import read_jsonl, write_json
 from smd_cli.learner import TrainingDiverged
-from smd_cli.stages.common import ConfigError, console, lock_run_dir, to_dict
+from smd_cli.stages.checks import ConfigError, to_dict
+from smd_cli.stages.console import console
+from smd_cli.stages.run_dirs import lock_run_dir
 
 # Config keys that may differ between a run and its resumption: they change neither the updates nor the metrics.
 RESUME_FREE_KEYS = ("resume", "steps", "progress", "checkpoint", "eval", "guard", "run_dir", "overrides", "cache_dir",

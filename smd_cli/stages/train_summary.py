@@ -6,7 +6,7 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from smd_cli.io import read_jsonl
-from smd_cli.stages.common import console
+from smd_cli.stages.console import console
 
 
 def run_statistics(path) -> dict[str, float]:

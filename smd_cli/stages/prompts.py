@@ -1,0 +1,32 @@
+"""A task's examples and their encoded prompts: a missing split, an empty one or a prompt too long is a config error."""
+
+from __future__ import annotations
+
+from smd_cli.stages.checks import ConfigError
+from smd_cli.tasks.loading import PromptTooLong
+
+
+def load_examples(task, split: str, limit: int | None = None) -> list[dict]:
+    """The split's examples; a missing field, file or split, or an empty split, is a config error naming it."""
+    try:
+        examples = task.examples(split, limit=limit)
+    except (KeyError, ValueError, OSError, RuntimeError) as err:  # a missing file or field, an empty split, no Hub
+        raise ConfigError(f"task={task.name} split {split!r}: {err.args[0] if err.args else err}") from err
+    if not examples:
+        raise ConfigError(f"task={task.name} split {split!r} is empty (no examples)")
+    return examples
+
+
+def encode_prompt(task, example: dict, tokenizer) -> list[int]:
+    """`task.encode_prompt`, with a prompt that cannot be fitted to `task.max_prompt_tokens` a ConfigError."""
+    try:
+        return task.encode_prompt(example, tokenizer)
+    except PromptTooLong as err:
+        raise ConfigError(str(err)) from None
+
+
+def check_prompts(task, examples: list[dict], tokenizer) -> None:
+    """Every example's prompt fits `task.max_prompt_tokens` (else a ConfigError naming it): before any model is
+    loaded, so that a long question is said at once. Nothing longer than the budget allows is tokenised."""
+    for example in examples:
+        encode_prompt(task, example, tokenizer)

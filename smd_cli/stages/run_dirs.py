@@ -1,0 +1,79 @@
+"""A stage's start: seed, device, torchrun's process group, and its run directory (locked, with its provenance)."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from smd_cli import distributed, integrity
+from smd_cli.io import seed_everything, write_provenance
+from smd_cli.stages.checks import ROOT, ConfigError, to_dict
+from smd_cli.stages.console import console
+from smd_cli.stages.model_loading import check_context
+
+
+@dataclass
+class Run:
+    dir: Path
+    generator: torch.Generator
+    device: torch.device
+
+
+def pick_device(cfg: DictConfig) -> torch.device:
+    """The device of `cfg.device` (auto: CUDA when present); under torchrun on CUDA, the local rank's GPU."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' but no CUDA device is available; use device=cpu or device=auto")
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", distributed.local_rank()) if distributed.launched() else torch.device("cuda")
+    return torch.device("cpu")
+
+
+def start_run(cfg: DictConfig) -> Run:
+    """Seed, pick the device, join torchrun's process group when launched by it, and write the resolved config,
+    overrides, git commit, versions and world size (rank 0: every rank uses rank 0's run directory)."""
+    threads = cfg.get("threads")  # the values were checked by the stage's `validate` (`smd_cli.stages.rules`)
+    if threads:
+        torch.set_num_threads(threads)
+    device = pick_device(cfg)
+    world = distributed.init(device)
+    if cfg.get("run_dir"):  # set by tests and by `smd ablate` for each of its runs
+        run_dir, overrides = Path(cfg.run_dir), list(cfg.get("overrides") or [])
+    elif HydraConfig.initialized():
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        overrides = list(HydraConfig.get().overrides.task)
+    else:
+        raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
+    if "model" in cfg and "task" in cfg:
+        check_context(cfg)
+    if world.size > 1:
+        run_dir = _main_run_dir(run_dir)
+        console.quiet = not distributed.is_main()  # one console: rank 0's
+    if distributed.is_main():
+        lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
+        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend})
+    distributed.barrier()
+    return Run(run_dir, seed_everything(cfg.seed), device)
+
+
+def _main_run_dir(mine: Path) -> Path:
+    """Rank 0's run directory for every rank (Hydra's timestamped default may differ by a second between ranks);
+    a directory Hydra made for this rank alone, holding only its own config and log, is removed."""
+    main = Path(distributed.gather_objects(str(mine))[0])
+    if main != mine and mine.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
+        shutil.rmtree(mine, ignore_errors=True)
+    return main
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold `run_dir` for this process (`integrity.hold`); a second process gets a ConfigError naming the first."""
+    try:
+        integrity.hold(run_dir, "smd")
+    except integrity.Locked as err:
+        raise ConfigError(str(err)) from None
+    except integrity.Unwritable as err:
+        raise ConfigError(f"the run directory {run_dir} is not allowed: {err}") from None
