@@ -4,7 +4,6 @@ naming what the directory lacks or holds (before: tracebacks from the tokenizer 
 
 import json
 
-import pytest
 
 from tests.conftest import smd
 

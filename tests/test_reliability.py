@@ -4,7 +4,6 @@ is saved, one process writes a run directory, divergence stops a run (collapse: 
 full disk or a torn log line is named, not a traceback."""
 
 import errno
-import json
 import os
 import subprocess
 import sys
