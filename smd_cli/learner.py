@@ -23,7 +23,8 @@ teacher, which runs only the response rows, layer by layer beside the replay, on
 in both views): SMD costs naive sparse plus R rows of a no-grad forward (DESIGN.md contract 5). The
 reference policy of the KL term (`beta > 0`) is scored in the learner's own view, so that the KL is zero
 at theta = ref for SMD too. Forwards return hidden states; everything over the vocabulary (log-probs,
-entropy, SMD's KL) is computed in chunks (`smd_cli.scoring`), so no [N, R, V] tensor is ever held.
+entropy, SMD's KL and the agreement of its two views, `smd_cli.agreement`) is computed in chunks (`smd_cli.scoring`), so no
+[N, R, V] tensor is ever held.
 The optimizer may be a `MasterWeights` (bf16 compute, float32 masters): the step clips and updates
 whatever parameters the optimizer holds.
 """
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from smd_cli import distributed
+from smd_cli.agreement import summary as agreement_summary
 from smd_cli.corrections.base import Correction
 from smd_cli.corrections.icepop import IcePop
 from smd_cli.corrections.mis import MIS
@@ -200,7 +202,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     module.train()
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0
-    view_logp, teacher_logp = [], []
+    view_logp, teacher_logp, agreements = [], [], []  # agreements: SMD's, per real token (smd_cli.agreement)
     response_tokens, rows = distributed.total(float(mask.sum())), distributed.total(float(n))
     distilled = algo.distill and algo.lam > 0
     for iteration in range(algo.num_iterations):
@@ -226,6 +228,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
             if distilled:
                 if iteration == 0:
                     teacher_logp.append(terms["teacher_logp"])
+                    agreements.append(terms["agreement"][mask[s].bool()])
                 distill = aggregate(terms["kl"], mask[s], algo.loss_agg, response_tokens, rows)
                 loss = loss + algo.lam * distill
             if distributed.total(float(not torch.isfinite(loss))):  # any rank: every rank stops before backward
@@ -257,6 +260,8 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
     if dense_logp is not None:
         metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
+    if agreements:  # SMD: its shadow view (the sampler's) against its dense teacher, free (smd_cli.agreement)
+        metrics.update(agreement_summary(torch.cat(agreements)))
     metrics.update({key: distributed.total(value) for key, value in sums.items()})
     low, high, ent = distributed.total(low), distributed.total(high), distributed.total(ent)
     metrics.update(

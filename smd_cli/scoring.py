@@ -188,7 +188,8 @@ def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_
 def _terms(head, hidden, tokens, scale: float, teacher, ids=None, start=None, count=None, width: int = 0):
     """One chunk: hidden [c, Hd], tokens [c], teacher [c, Hd] or None, and the sampling support (`Support`'s
     `ids` [M], this chunk's `start` [c] and `count` [c], `width`) or None -> (log-prob [c], entropy [c],
-    KL(teacher || student) [c] or None, teacher log-prob [c] or None), all over the support when it is given (the
+    KL(teacher || student) [c] or None, teacher log-prob [c] or None, agreement sum_v min(p_teacher, p_student) [c]
+    or None, `smd_cli.agreement`), all over the support when it is given (the
     teacher restricted to the sampler's support too). The log-prob is `sampling.logprob`, the sampler's formula."""
     logits = sampling.scaled(head(hidden), scale)  # [c, V]
     beyond = None
@@ -201,7 +202,7 @@ def _terms(head, hidden, tokens, scale: float, teacher, ids=None, start=None, co
         entropy = log_z - (probs[:, None, :] @ logits.detach()[:, :, None]).view(-1)  # sum_v p log(1/p)
         del probs
     if teacher is None:
-        return logp, entropy, None, None
+        return logp, entropy, None, None, None
     with torch.no_grad():  # the teacher is a constant (stop-gradient)
         log_t = sampling.scaled(head(teacher), scale)
         if beyond is not None:
@@ -211,9 +212,13 @@ def _terms(head, hidden, tokens, scale: float, teacher, ids=None, start=None, co
         p_t = log_t.exp()
         neg_entropy_t = (p_t[:, None, :] @ log_t[:, :, None]).view(-1)
         del log_t
+        # the agreement sum_v min(p_t, p_student) (smd_cli.agreement), in the room log_t left
+        shared = (logits.detach() - log_z.detach()[:, None]).exp_()
+        agreement = torch.minimum(shared, p_t, out=shared).sum(-1)
+        del shared
     # KL(t || s) = sum_v p_t log p_t - sum_v p_t (logits_v - log_z)
     kl = neg_entropy_t - (p_t[:, None, :] @ logits[:, :, None]).view(-1) + log_z
-    return logp, entropy, kl, teacher_logp
+    return logp, entropy, kl, teacher_logp, agreement
 
 
 def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=None, chunk: int | None = None,
@@ -221,7 +226,8 @@ def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=No
     """Per-token terms of the response, [B, R] each, 0 where `mask` [B, R] is False:
     `logp` (differentiable when `hidden` is), `entropy` (detached), and with `teacher` [B, R, Hd] (the dense
     forward's hidden states, held constant) `kl` = KL(teacher || student) over the full vocabulary
-    (differentiable) and `teacher_logp` (detached). Temperature 0 (greedy) counts as 1. With `support` (the
+    (differentiable), `teacher_logp` and `agreement` = sum_v min(p_teacher, p_student) (`smd_cli.agreement`; both
+    detached). Temperature 0 (greedy) counts as 1. With `support` (the
     rollout's `sampling_support` of these rows, top-k / top-p) every term is over each token's recorded kept set
     instead of the full vocabulary: the truncated, renormalised distributions (`smd_cli.sampling`), whatever the
     view's logits."""
@@ -241,10 +247,10 @@ def vocab_terms(head, hidden, tokens, mask, temperature: float = 1.0, teacher=No
         if support is not None:
             args += (support.ids, flat_start[start : start + step], flat_count[start : start + step], support.width)
         pieces.append(checkpoint(_terms, *args, use_reentrant=False) if checkpointed else _terms(*args))
-    names = ("logp", "entropy", "kl", "teacher_logp")
+    names = ("logp", "entropy", "kl", "teacher_logp", "agreement")
     out = {}
     for k, name in enumerate(names):
-        if teacher is None and name in ("kl", "teacher_logp"):
+        if teacher is None and name in ("kl", "teacher_logp", "agreement"):
             continue
         values = torch.cat([p[k] for p in pieces]) if pieces else hidden.new_zeros(0, dtype=torch.float32)
         full = torch.zeros(mask.numel(), dtype=values.dtype, device=hidden.device)

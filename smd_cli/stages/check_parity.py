@@ -4,7 +4,8 @@ For each policy (the composed `eviction`, every option of conf/eviction/, or a l
 `num_generations` responses with it, then scores them with the learner at the sampler's own weights in each view:
 `learner_step` at learning rate 0 with the shadow replay and with the dense view, the physical-eviction learner,
 and the shadow replay in float64. Writes `parity.json` (the bound, and per policy every view's largest and mean
-|log p_view - log p_sampler| and k3 KL, whether it passed and why not) and `summary.json`, prints a table, and
+|log p_view - log p_sampler| and k3 KL, whether it passed and why not, and the per-token agreement of the sampler's
+distribution with the dense policy's: p5, p50, mean, min, `smd_cli.agreement`) and `summary.json`, prints a table, and
 exits 1 (`ParityFailed`) when a view that must equal the sampler misses it by more than `parity.bound`.
 """
 
@@ -16,6 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.table import Table
 
+from smd_cli import agreement
 from smd_cli.io import write_json
 from smd_cli.parity import JUDGED, ParityFailed, Settings, check
 from smd_cli.rollout import generate
@@ -62,6 +64,8 @@ def run(cfg: DictConfig) -> dict:
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
                          measure_dense_kv=False, compile=s.get("compile", "auto"))
         found = check(model, batch, settings, float(p.bound))
+        values = agreement.measure(model, batch, float(s.temperature), p.logits_chunk, p.micro_batch_size, cfg.model.replay)
+        found["agreement"] = {} if values is None else agreement.summary(values, prefix="")  # sampler vs dense, per token
         results[name] = {"target": f"{type(policy).__module__}.{type(policy).__name__}", "rows": len(prompts),
                          "tokens": int(batch.response_mask.sum()), "kv/kept_fraction": batch.stats["kv/kept_fraction"],
                          "sampling_support": batch.sampling_support is not None, **found}
@@ -70,7 +74,8 @@ def run(cfg: DictConfig) -> dict:
               "sampling": to_dict(s), "policies": results}
     write_json(run_.dir / "parity.json", report)
     summary = {"parity/passed": float(report["passed"]), **{f"parity/{n}/{v}_max_abs_diff": r["views"][v]["max_abs_diff"]
-                                                           for n, r in results.items() for v in VIEWS if v in r["views"]}}
+                                                           for n, r in results.items() for v in VIEWS if v in r["views"]},
+               **{f"agreement/{n}/{k}": v for n, r in results.items() for k, v in r["agreement"].items()}}
     write_json(run_.dir / "summary.json", summary)
     print_table(report, run_.dir)
     if not report["passed"]:
@@ -81,10 +86,11 @@ def run(cfg: DictConfig) -> dict:
 
 def print_table(report: dict, run_dir) -> None:
     table = Table(title=f"smd check-parity: max |log p_view - log p_sampler|, bound {report['bound']:g} (dense: reported, "
-                        f"not judged): {run_dir}")
-    for column in ("policy", *VIEWS, "passed"):
+                        f"not judged); the sampler's per-token agreement with the dense policy at c = {report['compression']:g}: {run_dir}")
+    for column in ("policy", *VIEWS, "passed", "agreement p5", "p50", "mean"):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for name, r in report["policies"].items():
-        views = r["views"]
-        table.add_row(name, *(f"{views[v]['max_abs_diff']:.2e}" if v in views else "-" for v in VIEWS), "yes" if r["passed"] else "NO")
+        views, agreed = r["views"], r.get("agreement", {})
+        table.add_row(name, *(f"{views[v]['max_abs_diff']:.2e}" if v in views else "-" for v in VIEWS), "yes" if r["passed"] else "NO",
+                      *(f"{agreed[k]:.4f}" if k in agreed else "-" for k in ("p5", "p50", "mean")))
     console.print(table)

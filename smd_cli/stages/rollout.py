@@ -3,7 +3,9 @@
 Samples `num_prompts` x `num_generations` responses with the chosen eviction policy, scores them with the
 task's reward, then scores the same tokens three ways (DESIGN.md section 3; under top-k / top-p over the kept
 token sets the rollout recorded): the shadow replay and the physical-eviction learner (both must equal
-the sampler's log-probs) and the dense learner (the mismatch that naive sparse RL trains on). Writes
+the sampler's log-probs) and the dense learner (the mismatch that naive sparse RL trains on), and reports the
+per-token agreement of the sampler's distribution with the dense one (`agreement/p5`, `p50`, `mean`:
+`smd_cli.agreement`). Writes
 `rollouts.jsonl` (token ids, log-probs, rewards, text), `shadow_masks.safetensors` (evict_at, the sampling
 support's kept token sets and the batch tensors) and `summary.json`.
 """
@@ -14,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
+from smd_cli import agreement
 from smd_cli.evaluation import evidence_kept
 from smd_cli.integrity import write_file
 from smd_cli.io import write_json, write_jsonl
@@ -102,6 +105,8 @@ def run(cfg: DictConfig) -> dict:
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
     summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical, cfg.model.replay), **batch.stats}
     summary.update(evidence_kept(task, batch, examples, prompts))  # the answer-bearing KV kept, per layer (tasks that name it)
+    found = agreement.measure(model, batch, cfg.sampling.temperature, backend=cfg.model.replay)  # sampler vs dense, per token
+    summary.update({} if found is None else agreement.summary(found))
     summary.update({"reward/mean": sum(rewards) / len(rewards), "rollout/rows": len(prompts),
                     "rollout/prompt_length": batch.prompt_length, "kv/bytes_ratio": batch.stats["kv/bytes_peak"] / batch.stats["kv/bytes_peak_dense"]})
     record_weights(run_.dir, model, summary)
@@ -114,7 +119,8 @@ def run(cfg: DictConfig) -> dict:
 def print_summary(summary: dict, run_dir) -> None:
     print_metrics(f"smd rollout: {run_dir}", summary, (
         "parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
-        "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "evidence/kept", "reward/mean"))
+        "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "evidence/kept",
+        "agreement/p5", "agreement/p50", "agreement/mean", "reward/mean"))
     if "evidence/kept_l0" in summary:
         layers = sorted((int(k.rsplit("_l", 1)[1]), v) for k, v in summary.items() if k.startswith("evidence/kept_l"))
         console.print("answer-bearing KV kept per layer: " + " ".join(f"{v:.2f}" for _, v in layers), soft_wrap=True)

@@ -164,6 +164,9 @@ def _sweep_entries(v) -> bool:
 
 
 PATH = text("a path (a string)")
+COMPRESSION = real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV entries to evict (adaptive: smd train only)")
+ADAPTIVE_COMPRESSION = Rule(lambda v: v == "adaptive" or COMPRESSION(v), "a fraction in [0, 1) of prompt KV entries to evict, "
+                            "or adaptive (chosen per step to hold the agreement's 5th percentile: adaptive.*, smd_cli/adaptive.py)")
 FIELD_INT = integer(1, "(a field of the model's transformers config)")
 TOKEN_ID = integer(0, "(a token id)", null="none")
 TASK_FIELDS: dict[str, Rule] = {  # task.*, and the same fields under model.warmstart.task.*
@@ -197,7 +200,14 @@ RULES: dict[str, Rule] = {
     "stage_help": text(),
     "run_dir": text("a run directory path", null="the stage's own"),
     "overrides": strings("a list of overrides"),
-    "compression": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV entries to evict"),
+    "compression": ADAPTIVE_COMPRESSION,
+    **{f"{stage}:{key}": COMPRESSION for stage in ("rollout", "eval", "check_parity") for key in ("compression", "eviction.compression")},
+    "adaptive.target": real(0, 1, low_open=True, text="a 5th percentile of agreement to hold, in (0, 1] (Sparrow's 0.86)"),
+    "adaptive.min_compression": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV evicted (the least; the most KV kept)"),
+    "adaptive.max_compression": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV evicted (the most)"),
+    "adaptive.start": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV evicted", null="adaptive.min_compression"),
+    "adaptive.step": real(0, 1, low_open=True, text="a change of compression in (0, 1] per step"),
+    "adaptive.gain": real(0, low_open=True, text="a finite number > 0 (compression per unit of p5 - target)"),
     # train (also ablate and plan, which compose it)
     "steps": integer(0),
     "lambda": real(0, text="a finite number >= 0 (the SMD distillation weight)"),
@@ -246,7 +256,7 @@ RULES: dict[str, Rule] = {
     "optim.fused": flag(),
     "optim.offload": flag(),
     "eviction._target_": text("an eviction policy class path, e.g. smd_cli.eviction.snapkv.SnapKV"),
-    "eviction.compression": real(0, 1, high_open=True, text="a fraction in [0, 1) of prompt KV entries to evict"),
+    "eviction.compression": ADAPTIVE_COMPRESSION,
     "eviction.sink": integer(0),
     "eviction.window": integer(0),
     "eviction.kernel": Rule(lambda v: _int(v) and v >= 1 and v % 2 == 1, "a positive odd integer (SnapKV's pooling width)"),

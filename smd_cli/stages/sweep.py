@@ -156,7 +156,8 @@ def _member(combo: tuple, overrides: list[str]) -> Member:
               for k in ("algo", "compression", "lambda", "seed")}
     parts = [choices.task, config["algo"]["name"]]
     if config["algo"]["evicting"]:
-        parts += [choices.eviction, f"c{config['compression']:g}"]
+        c = config["compression"]
+        parts += [choices.eviction, f"c{c}" if isinstance(c, str) else f"c{c:g}"]  # c0.5, or cadaptive
     if config["algo"].get("distill"):  # lambda is read only by an algorithm that distils (SMD)
         parts.append(f"lam{config['lambda']:g}")
     parts.append(f"seed{config['seed']}")

@@ -28,6 +28,7 @@ import torch
 from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from smd_cli import adaptive, agreement
 from smd_cli import checkpoint as ckpt
 from smd_cli import distributed
 from smd_cli.evaluation import evaluate, evidence_kept
@@ -58,6 +59,8 @@ def validate(cfg: DictConfig) -> None:
     """Every key's own rule (`smd_cli.stages.rules`), then what depends on several keys or on the machine."""
     check_config(cfg, "train")
     check_algorithm(cfg)
+    if adaptive.problem(cfg):
+        raise ConfigError(adaptive.problem(cfg))
     if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
     if cfg.eval.evicting and not cfg.algo.evicting and cfg.eval.dense_eviction is not None:
@@ -111,8 +114,9 @@ def optimizer_of(cfg: DictConfig, make, params):
 
 
 def rollout_policy(cfg: DictConfig):
-    """The rollout's eviction policy; None (a plain dense rollout) for algo=dense."""
-    policy = build_policy(cfg)
+    """The rollout's eviction policy; None (a plain dense rollout) for algo=dense. compression=adaptive: built at
+    adaptive.min_compression, and the controller sets its `compression` before every rollout."""
+    policy = build_policy(adaptive.fixed(cfg))
     if not cfg.algo.evicting:
         if not isinstance(policy, KeepAll):
             raise ConfigError(f"algo={cfg.algo.name} samples without eviction, but eviction={type(policy).__name__} was set; "
@@ -155,7 +159,7 @@ def eval_policy(cfg: DictConfig):
     if not cfg.eval.evicting:
         return None
     if cfg.algo.evicting:
-        policy = build_policy(cfg)
+        policy = build_policy(adaptive.fixed(cfg))
     elif cfg.eval.dense_eviction:
         policy = build_policy(cfg, cfg.eval.dense_eviction)
     else:
@@ -192,7 +196,7 @@ def run(cfg: DictConfig) -> dict:
     validate(cfg)
     distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
     check_context(cfg, response=False)  # the architecture, and a prompt within the model's positions, before anything is sized
-    check_fits(cfg, pick_device(cfg), distributed.size())  # the planner's step against this machine's memory
+    check_fits(adaptive.fixed(cfg), pick_device(cfg), distributed.size())  # the planner's step (adaptive: its most KV) against this machine's memory
     check_context(cfg)  # prompt and response within the model's positions
     resume_from = distributed.from_main(find_resume, cfg)  # verified and config-checked before any model is built
     run_ = start_run(cfg)
@@ -221,11 +225,16 @@ def run(cfg: DictConfig) -> dict:
     if main:
         console.print(kernels_line(cfg, run_.device, policy, optimizer, optimizer_name, offload), soft_wrap=True)
     G = cfg.grpo.num_generations
+    controller = adaptive.Controller.of(cfg, (state or {}).get("adaptive"))  # compression=adaptive; restored on resume
 
     if resume_from is None:
         start = 0
         with distributed.gathered(root):
-            state = {"summary": held_out(model, tokenizer, task, eval_examples, cfg, "before"), "skipped_steps": 0, "seconds": 0.0}
+            state = {"summary": held_out(model, tokenizer, task, eval_examples, adaptive.at(cfg, controller), "before"), "skipped_steps": 0,
+                     "seconds": 0.0}
+        if controller is not None:
+            state["adaptive"] = controller.state_dict()
+            state["summary"]["eval/evict/compression_before"] = controller.compression
         console.print(f"held-out reward before GRPO: {state['summary'].get('eval/reward_before', float('nan')):.4f} "
                       f"({len(eval_examples)} prompts, temperature {cfg.eval.temperature})")
     else:  # the held-out reward before, the skip count and the seconds so far come back with the checkpoint
@@ -251,11 +260,15 @@ def run(cfg: DictConfig) -> dict:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: rollout")
+            if controller is not None:
+                policy.compression = controller.compression
             with mem.phase("rollout"), distributed.gathered(root), offloaded(offload):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
             parity.judge(model, batch)  # a miss of the step before, on this rollout (drawn at the weights the learner scores)
             if parity.broken:
                 break
+            with distributed.gathered(root):  # the sampler's agreement with the dense policy, where the learner has not both views
+                found, agreement_s = measured_agreement(model, batch, algo)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
@@ -268,7 +281,13 @@ def run(cfg: DictConfig) -> dict:
                     log.close()
                 stop_diverged(run_dir, step + 1, err, summary, guard.last_good)
             t2 = time.perf_counter()
-            slowest = {"time/rollout_s": t1 - t0, "time/learner_s": t2 - t1, "step_time": t2 - t0, **mem.take()}
+            slowest = {"time/rollout_s": t1 - t0 - agreement_s, "time/learner_s": t2 - t1, "step_time": t2 - t0, **mem.take()}
+            if found is not None:
+                slowest["time/agreement_s"] = agreement_s
+            metrics.update({**(found or {}), **({"compression": policy.compression} if policy is not None else {})})
+            if controller is not None:  # the next rollout's compression, from this one's agreement
+                controller.update(metrics.get(adaptive.SIGNAL))
+                state["adaptive"] = controller.state_dict()
             metrics.update({**rollout_metrics(batch, rewards, G, tokenizer.eos_token_id),
                             **{k: distributed.largest(v) for k, v in slowest.items()}})  # the slowest rank's, the largest peak
             state["skipped_steps"] += int(metrics["learner/skipped_empty_batch"])
@@ -297,7 +316,9 @@ def run(cfg: DictConfig) -> dict:
                     "status_reason": "; ".join(n for n in (guard.note(), parity.note()) if n)})
     record_weights(run_dir, model, summary)
     with distributed.gathered(root):
-        summary.update(held_out(model, tokenizer, task, eval_examples, cfg, "after"))
+        summary.update(held_out(model, tokenizer, task, eval_examples, adaptive.at(cfg, controller), "after"))
+    if controller is not None:
+        summary["eval/evict/compression_after"] = controller.compression
     summary.update({f"last/{k}": v for k, v in last.items()})
     before, after = summary.get("eval/reward_before"), summary.get("eval/reward_after")
     found = stopped or guard.at_end((before, after) if isinstance(before, float) and isinstance(after, float) else None)
@@ -306,7 +327,9 @@ def run(cfg: DictConfig) -> dict:
     if main:
         summary.update(run_statistics(log.path))
         write_json(run_dir / "summary.json", summary)
-        print_summary(summary, run_dir, cfg, eval_policy(cfg))
+        print_summary(summary, run_dir, cfg, eval_policy(adaptive.at(cfg, controller)))
+        if controller is not None or "agreement/p5" in last:
+            console.print(adaptive.trace(guard.rows), soft_wrap=True, highlight=False)
     distributed.barrier()
     if parity.broken:
         raise ParityFailed(f"{parity.broken}; stopped ({run_dir / 'summary.json'}: status parity_broken)")
@@ -366,6 +389,17 @@ def rollout_metrics(batch, rewards: torch.Tensor, G: int, eos_token_id: int) -> 
         "completions/clipped_ratio": float(clipped.mean()),
         **stats,
     }
+
+
+def measured_agreement(model, batch, algo: Algorithm) -> tuple[dict | None, float]:
+    """(agreement/* of this rollout by one extra no-grad pass of both views, and its seconds) where the learner does
+    not compute it for free (SMD with lambda > 0 does: its shadow view and dense teacher); (None, 0) for a dense
+    rollout, or when the learner will."""
+    if batch.evict_at is None or (algo.distill and algo.lam > 0):
+        return None, 0.0
+    started = time.perf_counter()
+    values = agreement.measure(model, batch, algo.temperature, algo.logits_chunk, algo.micro_batch_size, algo.replay_backend)
+    return agreement.summary(values), time.perf_counter() - started
 
 
 def progress_text(name: str, metrics: dict) -> str:

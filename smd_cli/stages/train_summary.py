@@ -11,12 +11,14 @@ from smd_cli.stages.console import console
 
 def run_statistics(path) -> dict[str, float]:
     """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
-    the learner's own view and of a dense learner, the mean KV and answer-bearing KV kept, and the mean fractions
-    of tokens and sequences a rollout correction masked (MIS, IcePop, TRM)."""
+    the learner's own view and of a dense learner, the mean KV and answer-bearing KV kept, the mean fractions
+    of tokens and sequences a rollout correction masked (MIS, IcePop, TRM), and the means of the agreement's 5th
+    percentile and mean (`smd_cli.agreement`) and of the rollouts' compression."""
     rows = read_jsonl(path) if path.is_file() else []
     out = {}
     for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
-                        ("evidence/kept", None), ("rollout_corr/masked_token_frac", None), ("rollout_corr/masked_seq_frac", None)):
+                        ("evidence/kept", None), ("rollout_corr/masked_token_frac", None), ("rollout_corr/masked_seq_frac", None),
+                        ("agreement/p5", None), ("agreement/mean", None), ("compression", None)):
         values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
         if values:
             out[f"train/{key}" + ("_max" if reduce else "_mean")] = reduce(values) if reduce else sum(values) / len(values)
@@ -27,7 +29,7 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     """What a newcomer needs side by side: held-out reward before and after (dense cache and under `policy`, the
     evicting evaluation's), then the learner's parity with its sampler, a dense learner's mismatch on the same
     rollouts, the KV kept."""
-    evicting = "no eviction" if policy is None else f"{type(policy).__name__} c={cfg.compression:g}"
+    evicting = "no eviction" if policy is None else f"{type(policy).__name__} c={_compression(summary, cfg)}"
     table = Table(title=f"smd train algo={cfg.algo.name}: {run_dir}")
     for name, justify in (("held-out (test split)", "left"), ("before", "right"), ("after", "right")):
         table.add_column(name, justify=justify)
@@ -42,6 +44,9 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
             ("a dense learner on the same rollouts: max |log p - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
             ("KV entries the sampler kept (mean)", "train/kv/kept_fraction_mean"),
             ("answer-bearing KV the sampler kept (mean)", "train/evidence/kept_mean"),
+            ("agreement with the dense policy, 5th percentile (mean)", "train/agreement/p5_mean"),
+            ("agreement with the dense policy, mean (mean)", "train/agreement/mean_mean"),
+            ("compression of the rollouts (mean)", "train/compression_mean"),
             ("the sampler's reward, last step", "last/reward"),
             ("peak memory, rollout / learner (MiB)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
             ("GRPO seconds", "train/seconds"))
@@ -64,6 +69,14 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     if summary.get("status_reason"):
         console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status", "completed") != "completed" else None,
                       markup=False, highlight=False, soft_wrap=True)
+
+
+def _compression(summary: dict, cfg: DictConfig) -> str:
+    """The compression the evicting evaluation ran at: the run's, or an adaptive run's before and after."""
+    if cfg.compression != "adaptive":
+        return f"{cfg.compression:g}"
+    before, after = (summary.get(f"eval/evict/compression_{when}") for when in ("before", "after"))
+    return "adaptive" + (f" ({before:g} before, {after:g} after)" if isinstance(before, float) and isinstance(after, float) else "")
 
 
 def _number(value) -> str:
