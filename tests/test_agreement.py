@@ -170,3 +170,15 @@ def test_smd_rollout_and_check_parity_report_the_agreement_per_policy(tmp_path, 
     report = json.loads((tmp_path / "parity" / "parity.json").read_text())["policies"]
     assert report["none"]["agreement"]["min"] == pytest.approx(1.0, abs=1e-5)
     assert report["snapkv"]["agreement"] == pytest.approx({k: evicted[f"agreement/{k}"] for k in ("p5", "p50", "mean", "min")}, abs=1e-5)
+
+
+def test_smd_plan_budgets_an_adaptive_run_for_its_most_kv(tmp_path):
+    """`smd plan compression=adaptive` plans the KV cache of adaptive.min_compression (the least evicted), not of
+    where the controller may go: the same plan as compression=min_compression, a larger cache than max_compression's."""
+    plans = {}
+    for name, overrides in (("adaptive", ["compression=adaptive", "adaptive.min_compression=0.2"]), ("low", ["compression=0.2"]),
+                            ("high", ["compression=0.9"])):
+        assert smd("plan", *overrides, f"hydra.run.dir={tmp_path / name}") == 0
+        plans[name] = json.loads((tmp_path / name / "plan.json").read_text())
+    assert plans["adaptive"]["run"]["kept"] == plans["low"]["run"]["kept"] > plans["high"]["run"]["kept"]
+    assert plans["adaptive"]["rollout"]["kv cache"] == plans["low"]["rollout"]["kv cache"] > plans["high"]["rollout"]["kv cache"]

@@ -12,7 +12,7 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli import models
+from smd_cli import adaptive, models
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.planner import Arch, Run, plan
 from smd_cli.stages.checks import ConfigError
@@ -69,7 +69,7 @@ def describe(cfg: DictConfig, device: str | None = None, gpus: int | None = None
     gpus = int(gpus or cfg.plan.gpus)
     rows = g.prompts_per_step // gpus * g.num_generations  # per GPU
     evicting = bool(cfg.algo.evicting)
-    policy = build_policy(cfg) if evicting else None
+    policy = build_policy(adaptive.fixed(cfg)) if evicting else None  # compression=adaptive: its most KV (adaptive.min_compression)
     kept = int(policy.budget(torch.tensor([P]))[0]) if evicting else P
     return Run(
         arch=architecture(cfg), compute_bytes=BYTES[dtype], device=device, algo=cfg.algo.name, rows=rows,
