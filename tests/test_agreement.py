@@ -182,3 +182,21 @@ def test_smd_plan_budgets_an_adaptive_run_for_its_most_kv(tmp_path):
         plans[name] = json.loads((tmp_path / name / "plan.json").read_text())
     assert plans["adaptive"]["run"]["kept"] == plans["low"]["run"]["kept"] > plans["high"]["run"]["kept"]
     assert plans["adaptive"]["rollout"]["kv cache"] == plans["low"]["rollout"]["kv cache"] > plans["high"]["rollout"]["kv cache"]
+
+
+def test_the_reports_training_curves_plot_the_agreements_tail(tmp_path, monkeypatch):
+    """The reproduction report's training curves get a fourth panel: per algorithm, the mean over seeds of agreement/p5."""
+    from smd_cli.report import figures
+    from smd_cli.report.data import Run, Sweep
+
+    def steps(seed):
+        return [{"step": k, "reward": 0.5, "mismatch/mean_abs_diff": 1e-6, "mismatch/dense_mean_abs_diff": 0.1,
+                 "agreement/p5": 0.9 - 0.01 * k - 0.02 * seed} for k in (1, 2, 3)]
+
+    runs = [Run({"algo": "naive_sparse", "seed": str(s)}, "ok", None, tmp_path, {}, steps(s)) for s in (0, 1)]
+    drawn, finish = {}, figures._finish
+    monkeypatch.setattr(figures, "_finish", lambda plt, fig, axes, title, path: (drawn.update(
+        p5=[list(line.get_ydata()) for line in axes[3].lines], title=axes[3].get_title()), finish(plt, fig, axes, title, path))[1])
+    path = figures.training_curves(Sweep("main", tmp_path, ["algo", "seed"], runs), None, tmp_path)
+    assert path.is_file() and "agreement" in drawn["title"]
+    assert drawn["p5"] == [pytest.approx([0.88, 0.87, 0.86])]  # the mean over the two seeds, step by step

@@ -54,9 +54,10 @@ def _band(ax, runs, key, label, color, log=False):
 
 
 def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
-    """Per algorithm: the sampler's training reward, the learner's mismatch with the sampler, a dense learner's."""
+    """Per algorithm: the sampler's training reward, the learner's mismatch with the sampler, a dense learner's, and the
+    5th percentile of the sampler's per-token agreement with the dense policy (`smd_cli.agreement`; runs that log it)."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     t = {"task": task} if task else {}
     for algo in sweep.values("algo"):
         runs = [r for r in sweep.select(**t, algo=algo) if r.ok]
@@ -64,10 +65,12 @@ def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
         _band(axes[0], runs, "reward", algo, color)
         _band(axes[1], runs, "mismatch/mean_abs_diff", algo, color, log=True)
         _band(axes[2], runs, "mismatch/dense_mean_abs_diff", algo, color, log=True)
+        _band(axes[3], runs, "agreement/p5", algo, color)
     axes[0].set(xlabel="step", ylabel="reward", title="training reward (the sampler's, under its eviction)")
     axes[1].set(xlabel="step", ylabel="mean |log p - log p_sampler|", yscale="log",
                 title="the learner's own view vs the sampler")
     axes[2].set(xlabel="step", ylabel="mean |log p_dense - log p_sampler|", yscale="log", title="a dense learner vs the sampler")
+    axes[3].set(xlabel="step", ylabel="p5 of sum_v min(p_dense, p_sampler)", title="agreement with the dense policy, 5th percentile")
     return _finish(plt, fig, axes, f"{task or 'main table'}: mean and standard-error band over seeds", out / f"curves_{task or 'main'}.png")
 
 
