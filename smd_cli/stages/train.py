@@ -281,7 +281,8 @@ def run(cfg: DictConfig) -> dict:
                     log.close()
                 stop_diverged(run_dir, step + 1, err, summary, guard.last_good)
             t2 = time.perf_counter()
-            slowest = {"time/rollout_s": t1 - t0 - agreement_s, "time/learner_s": t2 - t1, "step_time": t2 - t0, **mem.take()}
+            # step_time stays rollout + learner: the diagnostic pass is its own number (time/agreement_s)
+            slowest = {"time/rollout_s": t1 - t0 - agreement_s, "time/learner_s": t2 - t1, "step_time": t2 - t0 - agreement_s, **mem.take()}
             if found is not None:
                 slowest["time/agreement_s"] = agreement_s
             metrics.update({**(found or {}), **({"compression": policy.compression} if policy is not None else {})})
