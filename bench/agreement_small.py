@@ -54,7 +54,8 @@ def cell(model, tokenizer, task, examples, cfg, policy_name: str, compression: f
                      generator=torch.Generator().manual_seed(cfg.seed), eos_token_id=eos, pad_token_id=pad, measure_dense_kv=False)
     sampled = [float(task.reward(t, e)) for t, e in zip(response_texts(batch, tokenizer), [e for e in examples for _ in range(samples)])]
     values = agreement.measure(model, batch, temperature, backend=cfg.model.replay)
-    found = {"agreement/p5": 1.0, "agreement/p50": 1.0, "agreement/mean": 1.0, "agreement/min": 1.0} if values is None else agreement.summary(values)
+    dense = {f"agreement/{k}": 1.0 for k in ("p5", "p50", "mean", "min")}  # no eviction: the sampler is the dense policy
+    found = dense if values is None else agreement.summary(values)
     policy = None if policy_name == "none" else build_policy(at, policy_name)  # fresh: the same random choices
     greedy = generate(model, prompts, policy=policy, max_new_tokens=max_new, temperature=0.0, eos_token_id=eos, pad_token_id=pad,
                       measure_dense_kv=False)
