@@ -72,10 +72,10 @@ def measure(model, batch, temperature: float, chunk: int | None = None, micro_ba
     n, P = batch.input_ids.shape[0], batch.prompt_length
     step = micro_batch_size or n
     head, out = model.get_output_embeddings(), []
-    quant = getattr(batch, "kv_quant", "none")  # a quantised cache, replayed in the shadow view (DESIGN.md contract 7)
-    replayed = () if quant in (None, "none") else (quant,)
+    reads = getattr(batch, "cache_reads", None)  # an 8-bit cache (`RolloutBatch.cache_reads`), replayed in the shadow view (DESIGN.md 7)
     for start in range(0, n, step):
         rows = slice(start, min(start + step, n))
+        replayed = () if reads is None or reads(rows) is None else (reads(rows),)
         shadow, dense = shadow_and_teacher_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], P, batch.evict_at[rows],
                                                   backend, *replayed)
         support = None if batch.sampling_support is None else batch.sampling_support.rows(rows)

@@ -13,6 +13,13 @@ device tensors updated in place (`begin_step`), and a full layer (the policy evi
 device-side flag that the rollout checks at its periodic host synchronisation (`check_capacity`). So the
 step is fit for CUDA-graph capture: the same kernels on the same tensors at every step.
 
+With an 8-bit `quant` (`kv.quant`, `smd_cli.kv_quant`) the slots hold int8 / float8_e4m3fn codes and a float32 scale per
+(row, KV head, slot): the prefill's kept entries are quantised by `fill` (the prefill itself attended to the fresh
+ones), every decode step's token by `update`, and attention reads the layer back dequantised into the compute dtype
+(`read`): one layer's worth at a time, freed after that layer's attention (the CUDA path does the same; no 8-bit
+attention kernel). Each quantised element's rounding direction goes into the rollout's record (`rounding`), which
+lets the learner reproduce the codes exactly (`smd_cli.kv_quant.CacheReads`).
+
 `kv_bytes` measures what a cache holds from its allocated tensors (storage nbytes), for this cache and
 for transformers' `DynamicCache` alike; `KVMeter` keeps them per forward of a rollout, for the peak.
 """
@@ -22,15 +29,27 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from smd_cli import kv_quant
+
 FREE = -1
+
+
+def _bytes(codes: torch.Tensor) -> torch.Tensor:
+    """8-bit codes viewed as uint8 (the same storage): copies and scatters of float8 run on every device."""
+    return codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
 
 
 class EvictingLayer(CacheLayerMixin):
     """One layer's slots: keys/values [B, Hkv, S, D], columns [B, Hkv, S] int32, scores [B, Hkv, S] float32."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, quant: str = "none"):
         super().__init__()
         self.capacity = int(capacity)
+        self.quant = kv_quant.check_kind(quant)  # "none": keys/values in the compute dtype; else 8-bit codes
+        self.key_scales: torch.Tensor | None = None  # [B, Hkv, S] float32 with an 8-bit `quant`, else None
+        self.value_scales: torch.Tensor | None = None
+        self.dtype: torch.dtype | None = None  # what attention reads (the compute dtype)
+        self.rounding: torch.Tensor | None = None  # [B, 2, Hkv, T, D / 8] uint8: the rollout's record of rounding directions
         self.columns: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
         self.overflow: torch.Tensor | None = None  # [] bool: a write found no free slot (checked by the rollout)
@@ -44,11 +63,25 @@ class EvictingLayer(CacheLayerMixin):
         kept = index.shape[-1]
         if kept > self.capacity:
             raise ValueError(f"{kept} kept prompt entries exceed the cache capacity {self.capacity}")
-        self.keys = keys.new_zeros(batch, kv_heads, self.capacity, head_dim)  # [B, Hkv, S, D]
-        self.values = values.new_zeros(batch, kv_heads, self.capacity, head_dim)
         gather = index[..., None].expand(-1, -1, -1, head_dim)
-        self.keys[:, :, :kept] = keys.gather(2, gather)
-        self.values[:, :, :kept] = values.gather(2, gather)
+        self.dtype = keys.dtype
+        if self.quant == "none":
+            self.keys = keys.new_zeros(batch, kv_heads, self.capacity, head_dim)  # [B, Hkv, S, D]
+            self.values = values.new_zeros(batch, kv_heads, self.capacity, head_dim)
+            self.keys[:, :, :kept] = keys.gather(2, gather)
+            self.values[:, :, :kept] = values.gather(2, gather)
+        else:  # 8-bit codes [B, Hkv, S, D] and float32 scales [B, Hkv, S]
+            codes = kv_quant.DTYPES[self.quant]
+            self.keys = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=codes, device=keys.device)
+            self.values = torch.zeros(batch, kv_heads, self.capacity, head_dim, dtype=codes, device=keys.device)
+            self.key_scales = torch.zeros(batch, kv_heads, self.capacity, device=keys.device)
+            self.value_scales = torch.zeros(batch, kv_heads, self.capacity, device=keys.device)
+            for k, (slots, scales, states) in enumerate(((self.keys, self.key_scales, keys), (self.values, self.value_scales, values))):
+                stored, scale, up = kv_quant.quantise_recorded(states, self.quant)  # every prompt entry: [B, Hkv, P, D], [B, Hkv, P]
+                _bytes(slots)[:, :, :kept] = _bytes(stored).gather(2, gather)
+                scales[:, :, :kept] = scale.gather(2, index)
+                if self.rounding is not None:
+                    self.rounding[:, k, :, : states.shape[2]] = kv_quant.pack(up)
         self.columns = torch.full((batch, kv_heads, self.capacity), FREE, dtype=torch.int32, device=keys.device)
         self.columns[:, :, :kept] = torch.where(ok, index, FREE).to(torch.int32)
         self.scores = torch.zeros(batch, kv_heads, self.capacity, device=keys.device)
@@ -68,12 +101,30 @@ class EvictingLayer(CacheLayerMixin):
         self.overflow |= ~free.any(dim=-1).all()
         slot = free.int().argmax(dim=-1, keepdim=True)  # [B, Hkv, 1]
         head_dim = key_states.shape[-1]
-        self.keys.scatter_(2, slot[..., None].expand(-1, -1, -1, head_dim), key_states)
-        self.values.scatter_(2, slot[..., None].expand(-1, -1, -1, head_dim), value_states)
+        rows = slot[..., None].expand(-1, -1, -1, head_dim)
         new_column = torch.where(active, column, FREE).to(torch.int32)[:, None, None]  # [B, 1, 1]
         self.columns.scatter_(2, slot, new_column.expand_as(slot))
         self.scores.scatter_(2, slot, 0.0)
-        return self.keys, self.values
+        if self.quant == "none":
+            self.keys.scatter_(2, rows, key_states)
+            self.values.scatter_(2, rows, value_states)
+            return self.keys, self.values
+        pairs = ((self.keys, self.key_scales, key_states), (self.values, self.value_scales, value_states))
+        for k, (slots, scales, states) in enumerate(pairs):
+            stored, scale, up = kv_quant.quantise_recorded(states, self.quant)  # [B, Hkv, 1, D], [B, Hkv, 1]
+            _bytes(slots).scatter_(2, rows, _bytes(stored))
+            scales.scatter_(2, slot, scale)
+            if self.rounding is not None:  # at the token's column, on the device (no host read)
+                self.rounding[:, k].index_copy_(2, column.view(1), kv_quant.pack(up))
+        return self.read()
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values [B, Hkv, S, D] as attention reads them: dequantised into the compute dtype,
+        one layer at a time (freed after the layer's attention), or the stored tensors themselves."""
+        if self.quant == "none":
+            return self.keys, self.values
+        return (kv_quant.dequantise(self.keys, self.key_scales, self.dtype),
+                kv_quant.dequantise(self.values, self.value_scales, self.dtype))
 
     def evict(self, slots: torch.Tensor) -> torch.Tensor:
         """Free `slots` [B, Hkv, S] bool; returns the columns they held (FREE where not evicted)."""
@@ -101,8 +152,8 @@ class EvictingCache(Cache):
     Python int, for the host's bookkeeping) and `column_tensor` / `active`, device tensors written in place
     (the same storage at every step, as a captured CUDA graph needs)."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[EvictingLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, quant: str = "none"):
+        super().__init__(layers=[EvictingLayer(capacity, quant) for _ in range(num_layers)])
         self.column: int | None = None
         self.column_tensor: torch.Tensor | None = None  # [] long
         self.active: torch.Tensor | None = None  # [B] bool
@@ -151,13 +202,17 @@ def tensor_bytes(tensors) -> int:
 
 
 def kv_bytes(cache: Cache) -> int:
-    """Key and value bytes a transformers cache holds (DynamicCache or EvictingCache), from its storages."""
-    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values))
+    """Key and value bytes a transformers cache holds (DynamicCache or EvictingCache), from its storages: with an
+    8-bit `kv.quant`, the codes and their float32 scales."""
+    return tensor_bytes(t for layer in cache.layers for t in (layer.keys, layer.values, getattr(layer, "key_scales", None),
+                                                                getattr(layer, "value_scales", None)))
 
 
 def bookkeeping_bytes(cache: Cache) -> int:
-    """Bytes of an EvictingCache's per-slot columns and scores (0 for other caches)."""
-    return tensor_bytes(t for layer in cache.layers for t in (getattr(layer, "columns", None), getattr(layer, "scores", None)))
+    """Bytes of an EvictingCache's per-slot columns and scores, and of an 8-bit cache's record of rounding directions
+    (0 for other caches)."""
+    return tensor_bytes(t for layer in cache.layers for t in (getattr(layer, "columns", None), getattr(layer, "scores", None),
+                                                                getattr(layer, "rounding", None)))
 
 
 class KVMeter:

@@ -80,8 +80,10 @@ def evaluate(
     top_k: int = 0,
     seed: int = 0,
     progress: bool = True,
+    kv_quant: str = "none",
 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
-    """Per-example rows (id, completion, reference, metrics, lengths) and the summary of the whole split."""
+    """Per-example rows (id, completion, reference, metrics, lengths) and the summary of the whole split; `kv_quant`:
+    the cache's 8-bit format (`smd_cli.kv_quant`, decode steps read through it)."""
     if not examples:
         raise ValueError(f"no examples to evaluate for task {task.name}")
     if batch_size < 1:
@@ -104,6 +106,7 @@ def evaluate(
                 model, [prompts[i] for i in chunk], policy=policy, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_p=top_p, top_k=top_k, noise=None if noise is None else noise[chunk],
                 eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
+                kv_quant=kv_quant,
             )
             kv_peak = max(kv_peak, batch.stats["kv/bytes_peak"])
             for key, value in evidence_kept(task, batch, [examples[i] for i in chunk], [prompts[i] for i in chunk]).items():

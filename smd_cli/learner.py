@@ -117,7 +117,8 @@ def _slices(n: int, size: int | None):
 def _hidden(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool) -> torch.Tensor:
     """Hidden states predicting the response of `rows`, [n, R, Hd]: dense, or replaying the shadow mask."""
     evict_at = batch.evict_at[rows] if shadow else None
-    return response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at, algo.replay_backend)
+    return response_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length, evict_at, algo.replay_backend,
+                           batch.cache_reads(rows) if shadow else None)
 
 
 def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool, teacher: bool) -> dict[str, torch.Tensor]:
@@ -127,7 +128,7 @@ def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bo
     dense = None
     if teacher:  # the replay with gradient, and the dense teacher's response rows without
         hidden, dense = shadow_and_teacher_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
-                                                  batch.evict_at[rows], algo.replay_backend)
+                                                  batch.evict_at[rows], algo.replay_backend, batch.cache_reads(rows))
     else:
         hidden = _hidden(model, batch, rows, algo, shadow)
     tokens = batch.input_ids[rows, batch.prompt_length:]

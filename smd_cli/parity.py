@@ -33,6 +33,8 @@ from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch
 from smd_cli.sampling import token_logprobs
 from smd_cli.scoring import response_hidden, vocab_terms
+from smd_cli.kv_quant import CacheReads
+from smd_cli.shadow import none_evicted
 
 JUDGED = ("shadow", "physical")  # the float32 views that must give the sampler's log-probs within the bound
 ROUNDING_FACTOR = 10.0  # a float64 replay missing the sampler by more than this times float32 rounding: a mask error
@@ -75,13 +77,22 @@ def learner_at_lr_zero(model, batch: RolloutBatch, view: str, settings: Settings
 @torch.no_grad()
 def physical_view(model, batch: RolloutBatch, temperature: float) -> dict[str, float]:
     tokens = batch.input_ids[:, batch.prompt_length:]
-    logits = physical_response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at)
+    logits = physical_response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at,
+                                      batch.cache_reads())
     return _stats(token_logprobs(logits, tokens, temperature, batch.sampling_support), batch)
 
 
 @torch.no_grad()
-def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None) -> torch.Tensor:
-    hidden = response_hidden(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at, "sdpa")
+def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None, evict_at=None, quant: str = "recorded",
+                 flips: list | None = None) -> torch.Tensor:
+    """The sdpa replay's log-probs [N, R] (no gradient) of `evict_at` (the batch's by default), reading keys and values
+    through the batch's 8-bit cache (`quant` "recorded": with its rounding record, as the learner does; "own": the
+    learner's own rounding; "none": full precision), counting each layer's codes the record changed into `flips`."""
+    evict_at = batch.evict_at if evict_at is None else evict_at
+    reads = None if quant == "none" else batch.cache_reads()
+    if reads is not None:
+        reads = CacheReads(reads.kind, None if quant == "own" else reads.rounding, flips)
+    hidden = response_hidden(model, batch.input_ids, batch.attention_mask, batch.prompt_length, evict_at, "sdpa", reads)
     return vocab_terms(model.get_output_embeddings(), hidden, batch.input_ids[:, batch.prompt_length:], batch.response_mask,
                        temperature, chunk=logits_chunk, support=batch.sampling_support)["logp"]
 
@@ -96,6 +107,23 @@ def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk:
     del wide
     rounding = float((narrow.double() - logp)[batch.response_mask].abs().max()) if batch.response_mask.any() else 0.0
     return {**_stats(logp, batch), "rounding": rounding}
+
+
+@torch.no_grad()
+def mismatch_parts(model, batch: RolloutBatch, settings: Settings) -> dict[str, dict[str, float]]:
+    """Under an 8-bit kv.quant (reported, not judged): the dense view's mismatch (both approximations) in its two parts,
+    `quant_only`, what the quantisation alone costs a learner: the shadow mask replayed on full-precision keys and
+    values, and `evict_only`, what the eviction alone costs: every key visible, read through the cache's codes; and
+    `own_rounding`, the shadow replay rounding its own keys and values without the rollout's record, with `flips`, the
+    codes (of entries a decode step held) where that rounding differs from the sampler's (`kv_quant.CacheReads.flips`)."""
+    alone = none_evicted(batch.evict_at, batch.attention_mask)
+    flips: list[int] = []
+    args = (model, batch, settings.temperature, settings.logits_chunk)
+    own = _stats(_replay_logp(*args, quant="own"), batch)
+    _replay_logp(*args, flips=flips)
+    return {"quant_only": _stats(_replay_logp(*args, quant="none"), batch),
+            "evict_only": _stats(_replay_logp(*args, alone), batch),
+            "own_rounding": {**own, "flips": sum(flips)}}
 
 
 def mask_error(views: dict, bound: float) -> bool:
@@ -115,6 +143,8 @@ def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:
         views["physical"] = physical_view(model, batch, settings.temperature)
     if settings.float64:
         views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk)
+    if batch.kv_quant != "none" and batch.evict_at is not None:
+        views.update(mismatch_parts(model, batch, settings))
     failed = [v for v in JUDGED if v in views and not views[v]["max_abs_diff"] <= bound]
     if mask_error(views, bound):
         failed.append("shadow_float64")

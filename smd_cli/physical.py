@@ -15,6 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from smd_cli.attention import use_smd_attention
+from smd_cli.kv_quant import CacheReads
 from smd_cli.shadow import Replay, position_ids_from_mask
 
 
@@ -41,8 +42,10 @@ def compact(layer, columns: torch.Tensor, evict_layer: torch.Tensor, until: int)
     return torch.where(ok, columns.gather(-1, order), -1)
 
 
-def physical_response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at: torch.Tensor) -> torch.Tensor:
-    """Logits predicting the R response tokens [N, R, V], by physically evicting as the rollout did."""
+def physical_response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at: torch.Tensor,
+                             quant: CacheReads | None = None) -> torch.Tensor:
+    """Logits predicting the R response tokens [N, R, V], by physically evicting as the rollout did; after the prefill,
+    reading the cached keys and values as the rollout's 8-bit cache `quant` held them (`RolloutBatch.cache_reads`)."""
     rows, width = input_ids.shape
     if evict_at.shape[0] != rows or evict_at.shape[-1] != width:
         raise ValueError(f"evict_at {tuple(evict_at.shape)} does not match input_ids {tuple(input_ids.shape)}")
@@ -62,7 +65,7 @@ def physical_response_logits(model, input_ids, attention_mask, prompt_length: in
             cache=cache,
             use_cache=True,
             logits_to_keep=1 if start == 0 else 0,
-            shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns),
+            shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns, quant=quant if start else None),
         )
         pieces.append(out.logits)  # prefill: [N, 1, V] at P - 1; then [N, stop - start, V]
         columns = [compact(cache.layers[l], key_columns[l], evict_at[:, l], stop) for l in range(layers)]

@@ -34,6 +34,8 @@ from transformers import DynamicCache
 from smd_cli.cache import EvictingCache, KVMeter, kv_bytes
 from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
+from smd_cli.eviction.none import KeepAll
+from smd_cli.kv_quant import CacheReads, check_kind
 from smd_cli.attention import use_smd_attention
 from smd_cli.rollout_attention import RolloutState
 from smd_cli.sampling import MAX_SUPPORT, OUTSIDE, Kept, Support, SupportLog, choose, kept_mask, logprob, scaled
@@ -53,6 +55,15 @@ class RolloutBatch:
     visibility: torch.Tensor | None = None  # [N, L, Hkv, T, T] bool, only with record_visibility=True
     sampling_support: Support | None = None  # each token's kept token set under top-k / top-p (`smd_cli.sampling`),
     # and then `logprobs` are the truncated distribution's; None: nothing truncated
+    kv_quant: str = "none"  # the cache's 8-bit format (`smd_cli.kv_quant`): decode steps read keys and values through it
+    kv_rounding: torch.Tensor | None = None  # [N, L, 2, Hkv, T, D / 8] uint8: which way it rounded each element it stored
+
+    def cache_reads(self, rows: slice = slice(None)) -> CacheReads | None:
+        """What the learner's shadow view of `rows` needs to read keys and values as this rollout's 8-bit cache held
+        them (None: a full-precision cache)."""
+        if self.kv_quant == "none":
+            return None
+        return CacheReads(self.kv_quant, None if self.kv_rounding is None else self.kv_rounding[rows])
 
 
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,7 +177,8 @@ class _Run:
     steps: int = 0  # decode steps run (the batch keeps those up to the last one where a row was live)
 
     @classmethod
-    def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups=None) -> "_Run":
+    def start(cls, model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups=None,
+              kv_quant: str = "none") -> "_Run":
         rows, prompt_width = prompt_ids.shape
         device = prompt_ids.device
         input_ids = prompt_ids.new_full((rows, prompt_width + max_new_tokens), pad_token_id)
@@ -177,7 +189,7 @@ class _Run:
             cache = DynamicCache(config=model.config)
         else:
             capacity = int(policy.budget(prompt_mask.sum(-1)).max()) + policy.cache_growth(max_new_tokens - 1)
-            cache = EvictingCache(model.config.num_hidden_layers, capacity)
+            cache = EvictingCache(model.config.num_hidden_layers, capacity, kv_quant)
             state = RolloutState.start(model.config, policy, cache, prompt_mask, max_new_tokens, record_visibility, groups)
         return cls(input_ids, attention_mask, prompt_width, prompt_mask.sum(-1), torch.zeros(rows, max_new_tokens, device=device),
                    torch.zeros(rows, dtype=torch.bool, device=device), cache, state, input_ids.new_zeros(rows, 1),
@@ -274,7 +286,8 @@ class _Run:
             support, support_stats = self.supports.support(steps)
             stats.update(support_stats)
         return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, :steps],
-                            evict_at, stats, visibility, support)
+                            evict_at, stats, visibility, support, self.cache.layers[0].quant if self.state is not None else "none",
+                            None if self.state is None or self.state.rounding is None else self.state.rounding[..., :width, :].contiguous())
 
 
 def response_texts(batch: RolloutBatch, tokenizer) -> list[str]:
@@ -305,6 +318,8 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
         raise ValueError("cannot concatenate dense and evicting rollouts")
     if len({b.sampling_support is None for b in batches}) > 1:
         raise ValueError("cannot concatenate rollouts with and without a truncated sampling support")
+    if len({b.kv_quant for b in batches}) > 1:
+        raise ValueError(f"cannot concatenate rollouts of different kv.quant ({sorted({b.kv_quant for b in batches})})")
     P = max(b.prompt_length for b in batches)
     R = max(b.logprobs.shape[1] for b in batches)
     rows = [b.input_ids.shape[0] for b in batches]
@@ -325,6 +340,8 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
                           support.count.new_zeros(total, R), max(b.sampling_support.width for b in batches))
     packed = 0
     evict_at = None if first.evict_at is None else first.evict_at.new_zeros((total,) + first.evict_at.shape[1:3] + (width,))
+    rounding = None if first.kv_rounding is None else first.kv_rounding.new_zeros((total,) + first.kv_rounding.shape[1:4] + (width,)
+                                                                                     + first.kv_rounding.shape[5:])
     start = 0
     while batches:
         b = batches.pop(0)
@@ -341,9 +358,12 @@ def concat_rollouts(batches: list[RolloutBatch], pad_token_id: int) -> RolloutBa
             moved = evict_at[rows_, ..., columns]
             moved.copy_(b.evict_at).add_(shift)
             moved.masked_fill_(b.evict_at >= old_width, width).masked_fill_(b.evict_at == 0, 0)  # sentinel; padding stays hidden
+        if rounding is not None:
+            rounding[rows_, ..., columns, :] = b.kv_rounding
         start += n
         del b
-    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats, sampling_support=support)
+    return RolloutBatch(input_ids, attention_mask, P, response_mask, logprobs, evict_at, stats, sampling_support=support,
+                        kv_quant=first.kv_quant, kv_rounding=rounding)
 
 
 def _use_graphs(compile, device: torch.device, policy, record_visibility: bool) -> bool:
@@ -375,6 +395,7 @@ def generate(
     measure_dense_kv: bool = True,
     compile: str | bool = "auto",
     sync_every: int | None = None,
+    kv_quant: str = "none",
 ) -> RolloutBatch:
     """Sample responses to `prompts` (the caller repeats each one G times), evicting with `policy`.
 
@@ -384,6 +405,8 @@ def generate(
     capture the evicting decode step as CUDA graphs on CUDA ('auto': whenever possible; never on the CPU).
     `sync_every`: decode steps between host reads of the device (None: 1 on the CPU, `SYNC_EVERY` elsewhere;
     1 also checks the cache's capacity at every step, for debugging). Neither changes what is returned.
+    `kv_quant` ("none", "int8", "fp8_e4m3"): the cache stores 8-bit keys and values (`smd_cli.kv_quant`); the prefill
+    attends to the fresh ones, every decode step to the cache's, dequantised (without a policy: `KeepAll`'s cache).
     Sampling reads `noise` [N, >= max_new_tokens] (uniforms, `sampling_noise`), or draws it at once from
     `generator`: a row's tokens depend on its own noise only, so splitting the rows into chunks or ranks,
     each with its rows of one noise tensor, samples exactly what one batch would."""
@@ -392,7 +415,9 @@ def generate(
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = left_pad(prompts, pad_token_id, device)
     groups = prompt_groups(prompt_ids, prompt_mask, prompt_ids.shape[1])  # rows repeating a prompt: prefilled once
-    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups)
+    if check_kind(kv_quant) != "none" and policy is None:  # an 8-bit cache is the evicting one, keeping everything
+        policy = KeepAll()
+    run = _Run.start(model, prompt_ids, prompt_mask, policy, max_new_tokens, pad_token_id, record_visibility, groups, kv_quant)
     if _use_graphs(compile, device, policy, record_visibility):
         run.graphs = DecodeGraphs()
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)

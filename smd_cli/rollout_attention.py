@@ -12,6 +12,9 @@ row) and the kept entries are copied into that layer's `EvictingLayer`, before t
 valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
 or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
 column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
+With an 8-bit cache (`kv.quant`) the prefill attends to the fresh keys and values (as vLLM's prefill does) and the
+policy scores them; every decode step, and H2O's scores there, read the cache's dequantised ones (what a real quantised
+cache shows), and the cache records each element's rounding direction in `rounding` (`smd_cli.kv_quant`).
 
 A decode step never reads the device from the host: the column comes as the cache's device tensor, entry
 counts are summed on the device (`entries`, one total per forward), and slot scores are updated in place.
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smd_cli import kernels
+from smd_cli import kernels, kv_quant
 from smd_cli.cache import FREE, EvictingCache
 from smd_cli.eviction.base import EvictionPolicy, PrefillView
 from smd_cli.shadow import NEVER
@@ -44,6 +47,7 @@ class RolloutState:
     visibility: torch.Tensor | None  # [N, L, Hkv, P + Rmax, P + Rmax] bool when recording
     entries: torch.Tensor  # [Rmax] long: entries attended at each forward (0 = prefill), summed over rows, layers, KV heads
     groups: tuple | None = None  # (first [U], owner [N]): the prefill runs the distinct prompts, the policy every row
+    rounding: torch.Tensor | None = None  # [N, L, 2, Hkv, P + Rmax, D / 8] uint8: an 8-bit cache's rounding directions
 
     @classmethod
     def start(cls, config, policy, cache, prompt_mask, max_new_tokens: int, record_visibility: bool, groups=None) -> "RolloutState":
@@ -55,7 +59,14 @@ class RolloutState:
         evict_at = torch.full((rows, layers, kv_heads, width + 1), NEVER, dtype=torch.int32, device=device)
         visibility = torch.zeros(rows, layers, kv_heads, width, width, dtype=torch.bool, device=device) if record_visibility else None
         entries = torch.zeros(max_new_tokens, dtype=torch.long, device=device)
-        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, entries, groups)
+        rounding = None
+        if cache.layers[0].quant != "none":  # the cache writes each quantised entry's rounding directions here (`smd_cli.kv_quant`)
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            rounding = torch.zeros(rows, layers, 2, kv_heads, width, kv_quant.packed_width(head_dim), dtype=torch.uint8, device=device)
+            for layer, slots in enumerate(cache.layers):
+                slots.rounding = rounding[:, layer]
+        return cls(policy, cache, prompt_mask.bool(), policy.budget(lengths), prompt_width - lengths, evict_at, visibility, entries, groups,
+                   rounding)
 
     @property
     def prompt_width(self) -> int:

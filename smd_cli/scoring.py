@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from smd_cli import sampling
 from smd_cli.attention import PromptTap, use_smd_attention
 from smd_cli.distributed import layer_pass
+from smd_cli.kv_quant import CacheReads
 from smd_cli.shadow import Replay, check_evict_at, position_ids_from_mask
 
 CHUNK_LOGITS = 1 << 23  # logits per vocabulary chunk by default: 32 MiB in float32
@@ -46,12 +47,14 @@ def _decoder_layout(model) -> bool:
     return all(hasattr(backbone, name) for name in ("embed_tokens", "layers", "norm", "rotary_emb"))
 
 
-def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
+def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto",
+                    quant: CacheReads | None = None) -> torch.Tensor:
     """Final hidden states at the positions predicting the R response tokens (P-1 .. T-2): [B, R, Hd].
 
     Dense when `evict_at` is None; otherwise the shadow replay of the rollout's evictions (DESIGN.md
     section 2), which gradient checkpointing's recompute replays too. Works with or without autograd.
-    Rows that share a prompt (`prompt_groups`) compute it once (`shared_prompt_views`)."""
+    Rows that share a prompt (`prompt_groups`) compute it once (`shared_prompt_views`). `quant`: the rollout's 8-bit
+    cache (`RolloutBatch.cache_reads`), which the replay's response rows read their keys and values through."""
     response_width = input_ids.shape[1] - prompt_length
     if response_width < 1:
         raise ValueError(f"no response columns: input width {input_ids.shape[1]}, prompt_length {prompt_length}")
@@ -60,16 +63,17 @@ def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_
         check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if _decoder_layout(model) else None
     if groups is not None:
-        return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)], backend)[0]
+        return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)], backend, quant)[0]
     extra = {}
     if evict_at is not None:
-        extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend)
+        extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend, quant)
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                            use_cache=False, **extra)
     return out.last_hidden_state[:, prompt_length - 1 : -1]  # [B, R, Hd]
 
 
-def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at, backend: str = "auto"):
+def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at, backend: str = "auto",
+                              quant: CacheReads | None = None):
     """SMD's two views in one pass over the layers: the shadow replay's response hidden states [B, R, Hd] (with
     autograd, as `response_hidden`) and the dense teacher's [B, R, Hd] (no gradient).
 
@@ -83,14 +87,15 @@ def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: i
     if not _decoder_layout(model):
         with torch.no_grad():
             teacher = response_hidden(model, input_ids, attention_mask, P, None, backend)
-        return response_hidden(model, input_ids, attention_mask, P, evict_at, backend), teacher
+        return response_hidden(model, input_ids, attention_mask, P, evict_at, backend, quant), teacher
     use_smd_attention(model)
     check_evict_at(evict_at, input_ids, attention_mask, P)
     groups = prompt_groups(input_ids, attention_mask, P)
     if groups is not None:
-        shadow_rows, teacher = shared_prompt_views(model, input_ids, attention_mask, P, groups, [(evict_at, True), (None, False)], backend)
+        shadow_rows, teacher = shared_prompt_views(model, input_ids, attention_mask, P, groups, [(evict_at, True), (None, False)], backend,
+                                                   quant)
         return shadow_rows, teacher
-    shadow = Replay.of(evict_at, attention_mask, P, backend)
+    shadow = Replay.of(evict_at, attention_mask, P, backend, quant)
     positions = position_ids_from_mask(attention_mask)
     hidden = backbone.embed_tokens(input_ids)  # [B, T, Hd]
     rotary = backbone.rotary_emb(hidden, positions)
@@ -120,7 +125,8 @@ def _replay_then_teacher(layer, hidden, teacher, context):
     return hidden, teacher
 
 
-def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, groups, views, backend: str = "auto") -> list[torch.Tensor]:
+def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, groups, views, backend: str = "auto",
+                        quant: CacheReads | None = None) -> list[torch.Tensor]:
     """The response hidden states [N, R, Hd] of several views of rows whose prompts repeat, each prompt computed once.
 
     Every prompt row is the same in every view and for every sample of a prompt (causal attention: a prompt
@@ -137,7 +143,7 @@ def shared_prompt_views(model, input_ids, attention_mask, prompt_length: int, gr
     prompt_mask, prompt_positions = attention_mask[first, :P], positions[first, :P]
     hidden = backbone.embed_tokens(input_ids[first, :P])  # [U, P, Hd]
     rotary = backbone.rotary_emb(hidden, prompt_positions)
-    replays = [None if evict_at is None else Replay.of(evict_at, attention_mask, P, backend) for evict_at, _ in views]
+    replays = [None if evict_at is None else Replay.of(evict_at, attention_mask, P, backend, quant) for evict_at, _ in views]
     rows = []
     for _, grad in views:
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
@@ -179,10 +185,11 @@ def _prompt_then_rows(layer, hidden, *rows, context):
     return (hidden, *out)
 
 
-def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto") -> torch.Tensor:
+def response_logits(model, input_ids, attention_mask, prompt_length: int, evict_at=None, backend: str = "auto",
+                    quant: CacheReads | None = None) -> torch.Tensor:
     """Logits predicting the R response tokens, [B, R, V] (tests and small models; the learner uses
     `vocab_terms`, which never holds them all)."""
-    return model.get_output_embeddings()(response_hidden(model, input_ids, attention_mask, prompt_length, evict_at, backend))
+    return model.get_output_embeddings()(response_hidden(model, input_ids, attention_mask, prompt_length, evict_at, backend, quant))
 
 
 def _terms(head, hidden, tokens, scale: float, teacher, ids=None, start=None, count=None, width: int = 0):

@@ -21,6 +21,9 @@ Replay (`replay`, called by the model's attention for a forward given `shadow=Re
   kernel raises propagates, an out-of-memory error with the planner's advice (`smd_cli.replay_errors`: the SDPA
   replay needs more memory, so it is no way out). The CPU, where flex has no backward, replays with SDPA wherever
   a gradient is needed.
+With a rollout's 8-bit KV cache (`Replay.quant`, `smd_cli.kv_quant.CacheReads`), the prompt rows attend to full-precision
+keys and values as the sampler's prefill did, and the response rows (its decode steps) to keys and values quantised
+as its cache held them (straight-through gradient; the flex backend then runs on the response rows' grid alone).
 The `Replay` travels as a keyword argument of the forward, so the recompute that gradient checkpointing
 runs during `backward()` replays the very same mask.
 """
@@ -35,6 +38,7 @@ from typing import Any
 import torch
 
 from smd_cli import kernels
+from smd_cli.kv_quant import CacheReads
 from smd_cli.replay_errors import compile_failure, device_error, out_of_memory_advice
 
 NEVER = torch.iinfo(torch.int32).max  # sentinel while the final width is not known yet
@@ -53,6 +57,14 @@ def visibility(evict_at: torch.Tensor, query_columns: torch.Tensor, key_columns:
     j = key_columns[..., None, :]  # [B, Hkv, 1, S]
     seen = (j >= 0) & (j <= i) & (i < key_until[..., None, :]) & (i < query_until[..., :, None])
     return seen | (j == i)
+
+
+def none_evicted(evict_at: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """A shadow mask of evict_at's shape [B, L, Hkv, T] that evicts nothing: T on real columns, 0 on padding (the
+    replay of a rollout's KV quantisation alone, without its evictions)."""
+    width = attention_mask.shape[1]
+    real = attention_mask.bool()[:, None, None, :].expand(evict_at.shape)
+    return torch.where(real, width, 0).to(evict_at.dtype)
 
 
 def decode_visibility(evict_at: torch.Tensor) -> torch.Tensor:
@@ -110,11 +122,25 @@ class Replay:
     left_pad: torch.Tensor | None = None  # [B] padding columns before each prompt
     key_columns: list[torch.Tensor] | None = None
     query_columns: torch.Tensor | None = None
+    quant: CacheReads | None = None  # the rollout's 8-bit cache: the response rows read keys and values as it held them
 
     def rows(self, rows: slice) -> "Replay":
         """The replay of some rows of the batch (the block masks hold for any rows: they are [1, 1])."""
         left_pad = None if self.left_pad is None else self.left_pad[rows]
-        return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_masks, left_pad)
+        quant = None if self.quant is None else self.quant.rows(rows)
+        return Replay(self.evict_at[rows], self.prompt_length, self.backend, self.block_masks, left_pad, quant=quant)
+
+    def read(self, layer: int, key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor | None = None) -> tuple:
+        """Keys and values [B, Hkv, S, D] of `layer` (at key columns 0 .. S-1, or `columns` [B, Hkv, S]) as the rollout's
+        decode steps read them: through its 8-bit cache (`smd_cli.kv_quant.CacheReads`, straight-through gradient), or
+        as they are."""
+        if self.quant is None:
+            return key, value
+        if self.quant.flips is not None and columns is None:  # count over entries a decode step held: not evicted at the
+            evict_layer, width = self.evict_at[:, layer], key.shape[2]  # prefill, not the last column (never fed)
+            held = (evict_layer > self.prompt_length) & (torch.arange(width, device=key.device) < width - 1)
+            self.quant.flips.append(self.quant.count_flips(layer, key, value, held))
+        return self.quant.read(layer, key, value, columns)
 
     def flex_mask(self, queries: int, width: int):
         """(BlockMask, start) of the grid of `queries` query columns ending at column width-1 against `width` keys:
@@ -128,11 +154,11 @@ class Replay:
         return self.block_masks[(queries, width)]
 
     @classmethod
-    def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto") -> "Replay":
+    def of(cls, evict_at, attention_mask, prompt_length: int, backend: str = "auto", quant: CacheReads | None = None) -> "Replay":
         """The replay of a whole forward: picks the backend ("auto": flex on CUDA) and works out what the layers
-        share (the prompt padding; flex's block masks, built at the first layer)."""
+        share (the prompt padding; flex's block masks, built at the first layer). `quant`: the rollout's kv.quant."""
         backend = resolve_backend(backend, evict_at.device)
-        return cls(evict_at, prompt_length, backend, {}, kernels.left_padding(attention_mask[:, :prompt_length]))
+        return cls(evict_at, prompt_length, backend, {}, kernels.left_padding(attention_mask[:, :prompt_length]), quant=quant)
 
 
 def resolve_backend(backend: str, device) -> str:
@@ -149,8 +175,8 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
     evict_layer = shadow.evict_at[:, layer]  # [B, Hkv, T]
     if shadow.key_columns is not None:
         mask = visibility(evict_layer, shadow.query_columns, shadow.key_columns[layer])  # [B, Hkv, q, S]
-        return kernels.grouped(query, key, value, mask, scaling)
-    if shadow.backend == "flex":
+        return kernels.grouped(query, *shadow.read(layer, key, value, shadow.key_columns[layer]), mask, scaling)
+    if shadow.backend == "flex" and shadow.quant is None:
         out = _flex(query, key, value, evict_layer, *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:
             return out
@@ -159,8 +185,10 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
     if prompt_length > 0:
         pieces.append(kernels.causal(query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
                                      scaling, shadow.left_pad))
-    if prompt_length < width:
-        pieces.append(_sdpa_rows(layer, query[:, :, prompt_length:], key, value, scaling, shadow))
+    if prompt_length < width:  # the response rows: decode steps, which read the (quantised) cache
+        rows = query[:, :, prompt_length:]
+        pieces.append(_sdpa_rows(layer, rows, key, value, scaling, shadow) if shadow.quant is None else
+                      replay_rows(layer, rows, key, value, scaling, shadow))
     return torch.cat(pieces, dim=2) if len(pieces) > 1 else pieces[0]
 
 
@@ -169,7 +197,8 @@ def replay_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -
     (the rows that follow a prompt computed once for its samples, `scoring.shared_prompt_views`). [B, H, R, D].
 
     flex: the block mask of the [R, T] grid, no mask materialised; sdpa: one layer's mask [B, Hkv, R, T] with the
-    query groups folded (`kernels.grouped`)."""
+    query groups folded (`kernels.grouped`). With the rollout's kv.quant, over the keys and values its cache held."""
+    key, value = shadow.read(layer, key, value)
     if shadow.backend == "flex":
         out = _flex(query, key, value, shadow.evict_at[:, layer], *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:

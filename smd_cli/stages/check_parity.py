@@ -29,7 +29,8 @@ from smd_cli.stages.prompts import encode_prompt, load_examples
 from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
 
-VIEWS = ("shadow", "physical", "shadow_float64", "dense")  # the table's columns
+VIEWS = ("shadow", "physical", "shadow_float64", "dense", "quant_only", "evict_only", "own_rounding")  # the columns; the last three
+# under an 8-bit kv.quant (`parity.mismatch_parts`): the dense mismatch's parts, the replay without the rollout's rounding record
 
 
 def validate(cfg: DictConfig) -> None:
@@ -62,7 +63,7 @@ def run(cfg: DictConfig) -> dict:
         batch = generate(model, prompts, policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                          top_k=s.top_k, generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
-                         measure_dense_kv=False, compile=s.get("compile", "auto"))
+                         measure_dense_kv=False, compile=s.get("compile", "auto"), kv_quant=cfg.kv.quant)
         found = check(model, batch, settings, float(p.bound))
         values = agreement.measure(model, batch, float(s.temperature), p.logits_chunk, p.micro_batch_size, cfg.model.replay)
         found["agreement"] = {} if values is None else agreement.summary(values, prefix="")  # sampler vs dense, per token
@@ -70,7 +71,7 @@ def run(cfg: DictConfig) -> dict:
                          "tokens": int(batch.response_mask.sum()), "kv/kept_fraction": batch.stats["kv/kept_fraction"],
                          "sampling_support": batch.sampling_support is not None, **found}
     report = {"bound": float(p.bound), "passed": all(r["passed"] for r in results.values()), "judged": list(JUDGED),
-              "model": cfg.model.name, "task": task.name, "compression": float(cfg.compression), "seed": cfg.seed,
+              "model": cfg.model.name, "task": task.name, "compression": float(cfg.compression), "seed": cfg.seed, "kv_quant": cfg.kv.quant,
               "sampling": to_dict(s), "policies": results}
     write_json(run_.dir / "parity.json", report)
     summary = {"parity/passed": float(report["passed"]), **{f"parity/{n}/{v}_max_abs_diff": r["views"][v]["max_abs_diff"]

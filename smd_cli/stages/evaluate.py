@@ -179,12 +179,13 @@ def run(cfg: DictConfig) -> dict:
                   f"eviction={'none' if policy is None else repr(policy)}, temperature={e.temperature}")
     rows, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=e.max_new_tokens, batch_size=e.batch_size,
                              policy=policy, temperature=float(e.temperature), top_p=float(e.top_p), top_k=e.top_k, seed=cfg.seed,
-                             progress=cfg.progress)
+                             progress=cfg.progress, kv_quant=cfg.kv.quant)
     name = task.primary_metric.name if hasattr(task, "primary_metric") else "reward"
     summary.update({"metric_name": name, "metric": summary[name], "metric_stderr": summary[f"{name}_stderr"],
                     "task": task.name, "split": split, "model": model_name, "checkpoint": cfg.checkpoint,
                     "eviction": "none" if policy is None else type(policy).__name__,
-                    "compression": None if policy is None else float(cfg.compression), "temperature": float(e.temperature)})
+                    "compression": None if policy is None else float(cfg.compression), "temperature": float(e.temperature),
+                    "kv_quant": cfg.kv.quant})
     record_weights(run_.dir, model, summary)
     if distributed.is_main():  # under torchrun every rank evaluated a share; rank 0 holds all the rows and writes
         write_jsonl(run_.dir / "predictions.jsonl", rows)

@@ -25,6 +25,7 @@ from smd_cli.physical import physical_response_logits
 from smd_cli.rollout import RolloutBatch, generate, response_texts
 from smd_cli.sampling import token_logprobs
 from smd_cli.scoring import response_hidden, vocab_terms
+from smd_cli.shadow import none_evicted
 from smd_cli.stages.console import console, print_metrics
 from smd_cli.stages.factories import build_policy, build_task
 from smd_cli.stages.model_loading import load_model, record_weights
@@ -44,20 +45,25 @@ def parity_report(model, batch: RolloutBatch, temperature: float, physical: bool
     tokens, mask = batch.input_ids[:, batch.prompt_length:], batch.response_mask
     args = (model, batch.input_ids, batch.attention_mask, batch.prompt_length)
 
-    def logp(evict_at=None):
-        hidden = response_hidden(*args, evict_at, backend)
+    def logp(evict_at=None, quant=None):
+        hidden = response_hidden(*args, evict_at, backend, quant)
         return vocab_terms(model.get_output_embeddings(), hidden, tokens, mask, temperature, support=batch.sampling_support)["logp"][mask]
 
     sampler = batch.logprobs[mask]
     dense = logp()
-    shadow = dense if batch.evict_at is None else logp(batch.evict_at)
+    shadow = dense if batch.evict_at is None else logp(batch.evict_at, batch.cache_reads())
     report = {
         "parity/max_abs_diff_shadow": float((shadow - sampler).abs().max()),
         "parity/mean_abs_diff_shadow": float((shadow - sampler).abs().mean()),
         **mismatch_stats("mismatch/dense_", dense, sampler, torch.ones_like(dense, dtype=torch.bool)),
     }
+    if batch.kv_quant != "none":  # the dense mismatch's two parts: the quantisation's alone (the replay on full-precision
+        alone = none_evicted(batch.evict_at, batch.attention_mask)  # K/V), the eviction's alone (no eviction, quantised K/V)
+        for name, part in (("quant_only", logp(batch.evict_at)), ("evict_only", logp(alone, batch.cache_reads()))):
+            report.update(mismatch_stats(f"mismatch/{name}_", part, sampler, torch.ones_like(part, dtype=torch.bool)))
     if physical and batch.evict_at is not None:
-        physical_logp = token_logprobs(physical_response_logits(*args, batch.evict_at), tokens, temperature, batch.sampling_support)[mask]
+        physical = physical_response_logits(*args, batch.evict_at, batch.cache_reads())
+        physical_logp = token_logprobs(physical, tokens, temperature, batch.sampling_support)[mask]
         report["parity/max_abs_diff_physical"] = float((physical_logp - sampler).abs().max())
     elif physical:
         report["parity/max_abs_diff_physical"] = report["parity/max_abs_diff_shadow"]
@@ -100,7 +106,7 @@ def run(cfg: DictConfig) -> dict:
                      temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
                      generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
-                     compile=cfg.sampling.get("compile", "auto"))
+                     compile=cfg.sampling.get("compile", "auto"), kv_quant=cfg.kv.quant)
     texts = response_texts(batch, tokenizer)
     rewards = [float(task.reward(t, e)) for t, e in zip(texts, examples)]
     summary = {**parity_report(model, batch, cfg.sampling.temperature, cfg.physical, cfg.model.replay), **batch.stats}

@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from smd_cli.kv_quant import KINDS as KV_KINDS
 from smd_cli.learner import VIEWS
 from smd_cli.sampling import MAX_SUPPORT
 from smd_cli.stages.checks import DTYPES, ROOT, ConfigError
@@ -237,6 +238,7 @@ RULES: dict[str, Rule] = {
     "check_parity:sampling.temperature": real(0, text=">= 0 (0 = greedy)"),
     "sampling.batch_size": integer(1, null="the whole step's batch"),
     "sampling.compile": one_of("auto", True, False),
+    "kv.quant": one_of(*KV_KINDS),
     "eval.num_prompts": integer(0),
     "eval.batch_size": integer(1),
     "eval.temperature": real(0, text=">= 0 (0 = greedy)"),

@@ -183,7 +183,8 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
             policy = eval_policy(cfg) if prefix == "eval/evict" else None  # fresh: the same random choices every time
             _, summary = evaluate(model, tokenizer, task, examples, max_new_tokens=cfg.sampling.max_new_tokens,
                                   batch_size=cfg.eval.batch_size, temperature=temperature, top_p=cfg.sampling.top_p,
-                                  top_k=cfg.sampling.top_k, policy=policy, seed=cfg.seed + 1, progress=cfg.progress)
+                                  top_k=cfg.sampling.top_k, policy=policy, seed=cfg.seed + 1, progress=cfg.progress,
+                                  kv_quant=cfg.kv.quant if prefix == "eval/evict" else "none")  # eval: dense, full precision
             out[f"{prefix}/{key}_{when}"] = summary["reward"]
             if key == "reward":
                 metrics = getattr(task, "metric_list", ())
@@ -365,7 +366,7 @@ def sample_step(cfg: DictConfig, step: int, model, tokenizer, task, policy, pool
     batch = concat_rollouts([
         generate(model, prompts[i : i + chunk], policy=policy, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                  top_p=s.top_p, top_k=s.top_k, noise=noise[i : i + chunk], eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False, compile=s.get("compile", "auto"))
+                 pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False, compile=s.get("compile", "auto"), kv_quant=cfg.kv.quant)
         for i in range(0, len(prompts), chunk)
     ], tokenizer.pad_token_id)
     batch.stats.update(evidence_kept(task, batch, examples, prompts))

@@ -1,0 +1,126 @@
+"""KV-cache quantisation (`kv.quant`, issue 28): 8-bit codes with a float32 scale per (token, KV head), checked against
+hand computations; the rollout's cache really holds 8-bit tensors; the learner's shadow replay reads keys and values
+as that cache held them, rounding as the sampler did (its record of rounding directions), so SMD's learner is the
+sampler's policy again (check-parity and smd train, through the CLI); `kv.quant=none` is the unquantised rollout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from smd_cli import kv_quant
+from smd_cli.cache import EvictingLayer, kv_bytes
+from smd_cli.eviction.snapkv import SnapKV
+from smd_cli.rollout import generate
+from tests.conftest import smd
+
+PARITY = ["model.warmstart.steps=0", "task.prompt_tokens=48", "num_prompts=2", "num_generations=2", "sampling.max_new_tokens=6",
+          "progress=false", "device=cpu"]
+
+
+def test_int8_codes_and_scales_are_the_hand_computed_ones():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.3], [0.0, 0.0, 0.0, 0.0]])
+    codes, scales = kv_quant.quantise(x, "int8")
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float32
+    # scale = absmax / 127 = 2 / 127; x / scale = 63.5 (ties to even: 64), -127, 31.75 -> 32, 19.05 -> 19; a zero row: 0
+    assert scales.tolist() == [pytest.approx(2 / 127, rel=1e-7), 0.0]
+    assert codes.tolist() == [[64, -127, 32, 19], [0, 0, 0, 0]]
+    back = kv_quant.dequantise(codes, scales, torch.float32)
+    assert torch.allclose(back[0], torch.tensor([64, -127, 32, 19]) * (2 / 127), rtol=1e-6) and back[1].eq(0).all()
+
+
+def test_fp8_codes_and_scales_are_the_hand_computed_ones():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.3]])
+    codes, scales = kv_quant.quantise(x, "fp8_e4m3")
+    assert codes.dtype == torch.float8_e4m3fn
+    # scale = 2 / 448; x / scale = 224, -448, 112 (all representable), 67.2 -> 64 (spacing 8 in [64, 128))
+    assert scales.item() == pytest.approx(2 / 448, rel=1e-7)
+    assert codes.float().tolist() == [[224.0, -448.0, 112.0, 64.0]]
+    back = kv_quant.dequantise(codes, scales, torch.float32)
+    assert torch.allclose(back, torch.tensor([[1.0, -2.0, 0.5, 64 * 2 / 448]]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind,tie", [("int8", 0.5), ("fp8_e4m3", 68.0)])  # fp8: 68 halfway between 64 and 72
+def test_the_recorded_rounding_direction_wins_over_float_noise_at_a_tie(kind, tie):
+    """The sampler saw x / scale a hair below a tie and rounded down; the learner's value is a hair above it: rounding
+    its own would flip the code, the record gives the sampler's."""
+    top = kv_quant.QMAX[kind]
+    sampler = torch.tensor([[top, tie - 1e-5]])  # the first element fixes scale = 1
+    learner = torch.tensor([[top, tie + 1e-5]])
+    codes, _, up = kv_quant.quantise_recorded(sampler, kind)
+    own, _ = kv_quant.quantise(learner, kind)
+    replayed, _ = kv_quant.quantise(learner, kind, up)
+    assert up.tolist() == [[False, False]]
+    assert own.float()[0, 1] > codes.float()[0, 1]  # a flip
+    assert replayed.float().tolist() == codes.float().tolist()
+    assert kv_quant.unpack(kv_quant.pack(torch.tensor([[True, False, True] * 6])), 18).tolist() == [[True, False, True] * 6]
+
+
+def test_fake_quant_passes_the_gradient_straight_through():
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.3]], requires_grad=True)
+    out = kv_quant.fake_quant(x, "int8")
+    (out * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    assert out.detach().tolist() == kv_quant.dequantise(*kv_quant.quantise(x.detach(), "int8"), torch.float32).tolist()
+    assert x.grad.tolist() == [[1.0, 2.0, 3.0, 4.0]]
+
+
+def test_the_cache_holds_8_bit_codes_and_float32_scales_measured_in_bytes():
+    keys = torch.randn(2, 3, 10, 16)  # [B, Hkv, P, D]
+    index = torch.arange(6).expand(2, 3, 6)  # 6 kept entries per (row, KV head)
+    ok = torch.ones(2, 3, 6, dtype=torch.bool)
+    sizes = {}
+    for kind in ("none", "int8", "fp8_e4m3"):
+        layer = EvictingLayer(8, kind)
+        layer.fill(keys, keys.clone(), index, ok, torch.zeros(2, 3, 6))
+        sizes[kind] = kv_bytes(type("C", (), {"layers": [layer]})())
+        if kind != "none":
+            assert layer.keys.dtype == kv_quant.DTYPES[kind] and layer.key_scales.dtype == torch.float32
+            read, _ = layer.read()
+            assert read.dtype == torch.float32
+            assert torch.equal(read[:, :, :6], kv_quant.fake_quant(keys[:, :, :6], kind))
+    slots = 2 * 3 * 8
+    assert sizes == {"none": 2 * slots * 16 * 4, "int8": 2 * slots * (16 + 4), "fp8_e4m3": 2 * slots * (16 + 4)}
+
+
+def test_kv_quant_none_is_the_unquantised_rollout(tiny_model, tiny_tokenizer):
+    """`none` (the default) takes the cache's float path: the same batch as a call that does not name it, nothing
+    recorded. (Bit for bit against the code before kv.quant existed: checked when it went in, README.)"""
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12] * 3, [7, 8, 9] * 7]
+    runs = [generate(tiny_model, prompts, policy=SnapKV(compression=0.5, sink=1, window=2), max_new_tokens=5,
+                     generator=torch.Generator().manual_seed(0), eos_token_id=tiny_tokenizer.eos_token_id,
+                     pad_token_id=tiny_tokenizer.pad_token_id, measure_dense_kv=False, **extra) for extra in ({}, {"kv_quant": "none"})]
+    assert torch.equal(runs[0].logprobs, runs[1].logprobs) and torch.equal(runs[0].evict_at, runs[1].evict_at)
+    assert runs[1].kv_quant == "none" and runs[1].kv_rounding is None and runs[1].cache_reads() is None
+    assert runs[0].stats["kv/bytes_peak"] == runs[1].stats["kv/bytes_peak"]
+
+
+def test_check_parity_with_an_int8_cache_passes_and_reports_the_mismatch_parts(tmp_path, capsys):
+    code = smd("check-parity", *PARITY, "kv.quant=int8", "policies=[snapkv,h2o,none]", f"cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, capsys.readouterr().out
+    report = json.loads((tmp_path / "run" / "parity.json").read_text())
+    assert report["passed"] is True and report["kv_quant"] == "int8"
+    for name, found in report["policies"].items():
+        views = found["views"]
+        assert views["shadow"]["max_abs_diff"] <= 1e-5 and views["physical"]["max_abs_diff"] <= 1e-5, name
+        assert views["shadow_float64"]["max_abs_diff"] <= 1e-5, name
+        assert views["quant_only"]["max_abs_diff"] > 1e-5, name  # a learner on full-precision K/V feels the quantisation
+        assert views["own_rounding"]["flips"] >= 0, name
+        if name != "none":
+            assert views["evict_only"]["max_abs_diff"] > 1e-3, name  # and one that sees every key, the eviction
+        else:
+            assert views["evict_only"]["max_abs_diff"] <= 1e-5, name  # nothing evicted: the quantised view is the sampler's
+    assert "quant_only" in capsys.readouterr().out
+
+
+def test_smd_train_with_an_int8_cache_keeps_parity_within_the_contract(tmp_path, capsys):
+    run = tmp_path / "run"
+    code = smd("train", "kv.quant=int8", "steps=2", "model.warmstart.steps=0", "task.prompt_tokens=40", "task.max_new_tokens=4",
+               "grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=2", "eval.batch_size=2", "eval.greedy=false",
+               "checkpoint.every=0", "progress=false", "device=cpu", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}")
+    assert code == 0, capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["parity/judged"] == 1.0
+    assert summary["train/mismatch/max_abs_diff_max"] <= 1e-5
