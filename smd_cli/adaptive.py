@@ -29,29 +29,26 @@ import copy
 import math
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, open_dict
-
 ADAPTIVE = "adaptive"  # the value of `compression` that turns the controller on
 SIGNAL = "agreement/p5"  # the metric it holds at `target`
 
 
-def is_adaptive(cfg: DictConfig) -> bool:
+def is_adaptive(cfg) -> bool:
     return cfg.get("compression") == ADAPTIVE
 
 
-def fixed(cfg: DictConfig, compression: float | None = None) -> DictConfig:
+def fixed(cfg, compression: float | None = None) -> object:
     """`cfg` itself, or for compression=adaptive a copy at a fixed `compression` (default `adaptive.min_compression`,
     the most KV the rollout keeps: what memory is planned for), so that the eviction policy, the planner and every
     other reader of `compression` see a number."""
     if not is_adaptive(cfg):
         return cfg
-    fixed_cfg = copy.deepcopy(cfg)
-    with open_dict(fixed_cfg):
-        fixed_cfg.compression = float(cfg.adaptive.min_compression if compression is None else compression)
+    fixed_cfg = copy.deepcopy(cfg)  # an existing key: struct mode lets it be set
+    fixed_cfg.compression = float(cfg.adaptive.min_compression if compression is None else compression)
     return fixed_cfg
 
 
-def at(cfg: DictConfig, controller: "Controller | None") -> DictConfig:
+def at(cfg, controller: "Controller | None") -> object:
     """`cfg` at the controller's current compression (an adaptive run), else `cfg` itself."""
     return cfg if controller is None else fixed(cfg, controller.compression)
 
@@ -67,7 +64,7 @@ def trace(rows: list[dict], most: int = 30) -> str:
     return "per step, the rollout's compression and its agreement with the dense policy (smd_cli/agreement.py):\n" + "\n".join(lines)
 
 
-def problem(cfg: DictConfig) -> str | None:
+def problem(cfg) -> str | None:
     """What depends on several keys (each key's own rule is in `smd_cli.stages.rules`), as the config error's words:
     an evicting algorithm, and min_compression <= start <= max_compression; None when all is well."""
     if not is_adaptive(cfg):
@@ -102,7 +99,7 @@ class Controller:
             self.compression = self.min_compression
 
     @classmethod
-    def of(cls, cfg: DictConfig, state: dict | None = None) -> "Controller | None":
+    def of(cls, cfg, state: dict | None = None) -> "Controller | None":
         """The controller of an adaptive run (None for a fixed compression), restored from a checkpoint's `state`."""
         if not is_adaptive(cfg):
             return None

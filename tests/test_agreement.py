@@ -166,7 +166,7 @@ def test_smd_rollout_and_check_parity_report_the_agreement_per_policy(tmp_path, 
     assert evicted["agreement/p5"] <= evicted["agreement/p50"] <= 1 and evicted["agreement/mean"] < 1 - 1e-4
     assert smd("check-parity", *SMALL, "policies=[none,snapkv]", "compression=0.9", "parity.physical=false", "parity.float64=false",
                cache, f"hydra.run.dir={tmp_path / 'parity'}") == 0
-    assert "agreement p5" in " ".join(capsys.readouterr().out.split())
+    assert "the sampler's per-token agreement with the dense policy" in " ".join(capsys.readouterr().out.split())
     report = json.loads((tmp_path / "parity" / "parity.json").read_text())["policies"]
     assert report["none"]["agreement"]["min"] == pytest.approx(1.0, abs=1e-5)
     assert report["snapkv"]["agreement"] == pytest.approx({k: evicted[f"agreement/{k}"] for k in ("p5", "p50", "mean", "min")}, abs=1e-5)
@@ -200,3 +200,20 @@ def test_the_reports_training_curves_plot_the_agreements_tail(tmp_path, monkeypa
     path = figures.training_curves(Sweep("main", tmp_path, ["algo", "seed"], runs), None, tmp_path)
     assert path.is_file() and "agreement" in drawn["title"]
     assert drawn["p5"] == [pytest.approx([0.88, 0.87, 0.86])]  # the mean over the two seeds, step by step
+
+
+def test_bench_agreement_small_runs_quick_on_the_tiny_model(tmp_path, capsys):
+    """bench/agreement_small.py --quick: the dense row agrees at 1, every evicting cell has percentiles in order, and the
+    markdown table and JSON are written (the SmolLM2 sweep itself is issue 29 item 2's, run by hand)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("agreement_small", Path(__file__).resolve().parents[1] / "bench" / "agreement_small.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--quick", "--json", str(tmp_path / "out.json"), f"cache_dir={tmp_path / 'cache'}"])
+    assert [(r["policy"], r["compression"]) for r in rows] == [("none", 0.0), ("snapkv", 0.5), ("snapkv", 0.9), ("random", 0.5),
+                                                              ("random", 0.9)]
+    assert rows[0]["agreement/p5"] == 1.0 and all(0 <= r["agreement/p5"] <= r["agreement/p50"] <= 1 for r in rows)
+    assert rows[2]["kv_kept"] < rows[1]["kv_kept"] < 1.0
+    assert "| snapkv | 0.9 |" in capsys.readouterr().out and json.loads((tmp_path / "out.json").read_text())["rows"] == rows
