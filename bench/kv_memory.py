@@ -8,6 +8,11 @@ Part 1 (DESIGN.md contract 4): for each policy, the rollout's peak KV bytes (sto
 key/value tensors, observed after every forward) next to a dense DynamicCache over the same tokens, their
 ratio, and the kept fraction (entries held at the peak / entries a dense cache holds); plus the parity of
 the shadow and physical learners with the sampler.
+
+Part 2 (issue 28, `kv.quant`): for each policy, the peak KV bytes of the same rollout with a float32 cache, a bfloat16
+one (the model run in bfloat16) and the 8-bit caches (int8, float8_e4m3: codes and their float32 scales, storage
+bytes), side by side with their ratios to bf16 and fp32, the rounding record's bytes (a bit per element, on the host),
+and the 8-bit rollouts' shadow parity (the learner reading keys and values as the cache held them).
 """
 
 from __future__ import annotations
@@ -75,6 +80,36 @@ def main(argv=None) -> None:
         ratio = s["kv/bytes_peak"] / s["kv/bytes_peak_dense"]
         table.add_row(name, f"{s['kv/bytes_peak']:,.0f}", f"{s['kv/bytes_peak_dense']:,.0f}", f"{ratio:.3f}", f"{s['kv/kept_fraction']:.3f}",
                       f"{abs(ratio - s['kv/kept_fraction']):.3f}", *(f"{d:.1e}" for d in diffs))
+    console.print(table)
+    quantised(model, prompts, args, tokenizer, console)
+
+
+def quantised(model, prompts, args, tokenizer, console) -> None:
+    """Part 2: the same rollout's KV bytes per cache format, measured from the cache's storages."""
+    import copy
+
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    table = Table(title=f"8-bit KV cache (kv.quant): peak KV bytes, {args.rows} rows, c={args.compression}")
+    for column in ("policy", "fp32", "bf16", "int8", "fp8_e4m3", "int8 / bf16", "int8 / fp32", "record (host)", "int8 shadow diff",
+                   "fp8 shadow diff"):
+        table.add_column(column, justify="right")
+    for name, _ in policies(args.compression, args.seed):
+        sizes, diffs, record = {}, [], 0
+        for label, which, quant in (("fp32", model, "none"), ("bf16", half, "none"), ("int8", model, "int8"), ("fp8_e4m3", model, "fp8_e4m3")):
+            policy = dict(policies(args.compression, args.seed))[name]  # fresh: the same random choices every time
+            batch = generate(which, prompts, policy=policy, max_new_tokens=args.new, generator=torch.Generator().manual_seed(args.seed),
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, measure_dense_kv=False,
+                             kv_quant=quant)
+            sizes[label] = batch.stats["kv/bytes_peak"]
+            if quant != "none":
+                record = batch.kv_rounding.numel()
+                with torch.no_grad():
+                    logits = response_logits(model, batch.input_ids, batch.attention_mask, batch.prompt_length, batch.evict_at,
+                                             quant=batch.cache_reads())
+                diffs.append((token_logprobs(logits, batch.input_ids[:, batch.prompt_length:]) - batch.logprobs)[batch.response_mask]
+                             .abs().max().item())
+        table.add_row(name, *(f"{sizes[k]:,.0f}" for k in ("fp32", "bf16", "int8", "fp8_e4m3")), f"{sizes['int8'] / sizes['bf16']:.3f}",
+                      f"{sizes['int8'] / sizes['fp32']:.3f}", f"{record:,}", *(f"{d:.1e}" for d in diffs))
     console.print(table)
 
 

@@ -137,12 +137,12 @@ class CacheReads:
     def rows(self, rows) -> "CacheReads":
         return CacheReads(self.kind, None if self.rounding is None else self.rounding[rows], self.flips)
 
-    def directions(self, layer: int, head_dim: int, columns: torch.Tensor | None = None) -> tuple:
+    def directions(self, layer: int, head_dim: int, device, columns: torch.Tensor | None = None) -> tuple:
         """(keys', values' rounding directions [B, Hkv, T or S, D] bool) of `layer`, at key `columns` [B, Hkv, S]
         (-1: none) when given; (None, None) without a record."""
         if self.rounding is None:
             return None, None
-        packed = self.rounding[:, layer]  # [B, 2, Hkv, T, D / 8]
+        packed = self.rounding[:, layer].to(device)  # [B, 2, Hkv, T, D / 8]: the record stays on the host, one layer comes over
         if columns is not None:
             index = columns.long().clamp(min=0)[:, None, :, :, None].expand(-1, 2, -1, -1, packed.shape[-1])
             packed = packed.gather(3, index)
@@ -152,13 +152,13 @@ class CacheReads:
     def read(self, layer: int, key: torch.Tensor, value: torch.Tensor, columns: torch.Tensor | None = None) -> tuple:
         """Keys and values [B, Hkv, S, D] of `layer` as the cache held them (`fake_quant`, straight-through), for keys at
         columns 0 .. S-1 or at `columns` [B, Hkv, S]."""
-        up_key, up_value = self.directions(layer, key.shape[-1], columns)
+        up_key, up_value = self.directions(layer, key.shape[-1], key.device, columns)
         return fake_quant(key, self.kind, up_key), fake_quant(value, self.kind, up_value)
 
     def count_flips(self, layer: int, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor) -> int:
         """Codes of `layer` [B, Hkv, T, D] that the learner's own rounding would give otherwise than the rollout's, over
         the `visible` [B, Hkv, T] entries (rounding-boundary flips from float noise: what the record repairs)."""
-        up_key, up_value = self.directions(layer, key.shape[-1])
+        up_key, up_value = self.directions(layer, key.shape[-1], key.device)
         flipped = 0
         for x, up in ((key, up_key), (value, up_value)):
             own, _ = quantise(x, self.kind)

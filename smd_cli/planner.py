@@ -98,6 +98,7 @@ class Run:
     distill: bool | None = None  # SMD's no-grad dense teacher beside the replay (algo.distill); None: algo == "smd"
     batch_level: bool | None = None  # the correction scores pi_old up front over micro-batches; None: Sparse-RL, TRM
     offload: bool = False  # optim.offload: masters, their gradients and the optimizer state on the host during the rollout
+    kv_quant: str = "none"  # kv.quant: the rollout's cache in 8 bits (a code a byte, a float32 scale per token and KV head)
 
     def __post_init__(self):  # frozen: the defaults of a run described by its name alone (benchmarks, tests)
         defaults = {"shadow": self.algo == "smd", "distill": self.algo == "smd", "batch_level": self.algo in ("sparse_rl", "trm")}
@@ -108,6 +109,11 @@ class Run:
     @property
     def evicting(self) -> bool:
         return self.algo != "dense"
+
+    @property
+    def cached(self) -> bool:
+        """The rollout runs the evicting cache (a policy, or an 8-bit cache that keeps everything) and records a shadow mask."""
+        return self.evicting or self.kv_quant != "none"
 
     @property
     def width(self) -> int:
@@ -165,14 +171,24 @@ def layer_params(arch: Arch) -> int:
 
 
 def shadow_mask_bytes(run: Run, rows: int) -> float:
-    return 4.0 * rows * run.arch.layers * run.arch.kv_heads * (run.width + 1) if run.evicting else 0.0
+    return 4.0 * rows * run.arch.layers * run.arch.kv_heads * (run.width + 1) if run.cached else 0.0
+
+
+def rounding_record_bytes(run: Run, rows: int) -> float:
+    """An 8-bit cache's record of rounding directions: a bit per key and value element of every column (`smd_cli.kv_quant`)."""
+    return 2.0 * rows * run.arch.layers * run.arch.kv_heads * run.width * -(-run.arch.head_dim // 8) if run.kv_quant != "none" else 0.0
 
 
 def rollout_terms(run: Run) -> dict[str, float]:
     a, b, rows, P = run.arch, run.compute_bytes, run.rollout_rows, run.prompt
     slots = (run.kept + run.cache_growth) if run.evicting else run.width
-    kv = 2.0 * b * rows * a.layers * a.kv_heads * slots * a.head_dim
-    bookkeeping = 8.0 * rows * a.layers * a.kv_heads * slots if run.evicting else 0.0
+    if run.kv_quant == "none":
+        kv, dequantised = 2.0 * b * rows * a.layers * a.kv_heads * slots * a.head_dim, 0.0
+    else:  # one byte a code and a float32 scale per (token, KV head), keys and values; one layer read back at a time
+        kv = 2.0 * rows * a.layers * a.kv_heads * slots * (a.head_dim + 4)
+        dequantised = 2.0 * b * rows * a.kv_heads * slots * a.head_dim
+    bookkeeping = 8.0 * rows * a.layers * a.kv_heads * slots if run.cached else 0.0
+    record = rounding_record_bytes(run, rows)  # while decoding; each finished chunk's goes to the host (`planning.host_terms`)
     # prefill of one layer, no gradient: the larger of its attention (q, k, v, their rolled copies, the
     # policy's scores) and its MLP (gate, up, act(gate) * up), over the residual stream
     scores = rows * a.heads * run.score_rows * P * (b + 4.0) if run.evicting else 0.0
@@ -184,8 +200,9 @@ def rollout_terms(run: Run) -> dict[str, float]:
     recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
     gathered = float(b * a.params) if run.gpus > 1 else 0.0  # FSDP2: every weight unsharded while decoding
     return {"gathered weights": gathered, "kv cache": kv, "cache bookkeeping": bookkeeping, "shadow masks": recording + done,
+            "kv rounding record": record, "dequantised layer": dequantised,
             "prefill activations": prefill, "policy scores": scores, "sampling logits": logits,
-            "peak": gathered + kv + bookkeeping + recording + done + max(prefill, logits)}
+            "peak": gathered + kv + bookkeeping + recording + done + record + max(prefill, logits, dequantised)}
 
 
 def no_grad_layer(run: Run, rows: int, width: int, extra: float = 0.0) -> float:
@@ -199,10 +216,13 @@ def no_grad_layer(run: Run, rows: int, width: int, extra: float = 0.0) -> float:
 def learner_terms(run: Run) -> dict[str, float]:
     a, b, n, T, R = run.arch, run.compute_bytes, run.micro_batch, run.width, run.response
     tokens = n * T
-    held = shadow_mask_bytes(run, run.rows) + run.rows * T * 8 * 3  # the step's batch: evict_at, ids and masks
+    held = shadow_mask_bytes(run, run.rows) + run.rows * T * 8 * 3  # the step's batch: evict_at, ids and masks (the rounding
+    # record of an 8-bit cache waits on the host; one layer's slice of a micro-batch comes over at a time)
     checkpoints = a.layers * tokens * a.hidden * b
     final = 3.0 * tokens * a.hidden * b  # the final norm's input and output, the response slice
     grad_layer = tokens * a.layer_tokens(b, hidden=8, intermediate=6, query=5, kv=5)
+    if run.shadow and run.kv_quant != "none":  # the replay's quantised keys and values (kept for backward) and their float32 work
+        grad_layer += 2.0 * tokens * a.kv_heads * a.head_dim * (b + 8.0)
     attention = 0.0
     if run.shadow and run.device == "cpu":  # the response rows' per-head mask, bool then float inside SDPA
         attention = n * a.heads * R * T * (4.0 + 3.0)

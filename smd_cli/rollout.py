@@ -56,7 +56,8 @@ class RolloutBatch:
     sampling_support: Support | None = None  # each token's kept token set under top-k / top-p (`smd_cli.sampling`),
     # and then `logprobs` are the truncated distribution's; None: nothing truncated
     kv_quant: str = "none"  # the cache's 8-bit format (`smd_cli.kv_quant`): decode steps read keys and values through it
-    kv_rounding: torch.Tensor | None = None  # [N, L, 2, Hkv, T, D / 8] uint8: which way it rounded each element it stored
+    kv_rounding: torch.Tensor | None = None  # [N, L, 2, Hkv, T, D / 8] uint8 on the host: which way it rounded each element it
+    # stored (a bit each: 1/16 of the sequence's bf16 keys and values; the learner takes one layer's to the device at a time)
 
     def cache_reads(self, rows: slice = slice(None)) -> CacheReads | None:
         """What the learner's shadow view of `rows` needs to read keys and values as this rollout's 8-bit cache held
@@ -287,7 +288,7 @@ class _Run:
             stats.update(support_stats)
         return RolloutBatch(input_ids, attention_mask, self.prompt_width, response_mask, self.logprobs[:, :steps],
                             evict_at, stats, visibility, support, self.cache.layers[0].quant if self.state is not None else "none",
-                            None if self.state is None or self.state.rounding is None else self.state.rounding[..., :width, :].contiguous())
+                            None if self.state is None or self.state.rounding is None else self.state.rounding[..., :width, :].cpu().contiguous())
 
 
 def response_texts(batch: RolloutBatch, tokenizer) -> list[str]:

@@ -124,3 +124,34 @@ def test_smd_train_with_an_int8_cache_keeps_parity_within_the_contract(tmp_path,
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["parity/judged"] == 1.0
     assert summary["train/mismatch/max_abs_diff_max"] <= 1e-5
+
+
+def test_the_planner_counts_8_bit_codes_their_scales_and_the_rounding_record_by_hand():
+    from dataclasses import replace
+
+    from smd_cli.planner import Arch, Run, plan
+
+    qwen3_4b = Arch(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
+    run = Run(arch=qwen3_4b, compute_bytes=2, device="cuda", algo="smd", rows=64, micro_batch=4, rollout_rows=16,
+              prompt=1024, response=256, kept=512, cache_growth=255)
+    slots = 512 + 255
+    assert plan(run).rollout["kv cache"] == 16 * 36 * 8 * 128 * 2 * 2 * slots  # bf16
+    for quant in ("int8", "fp8_e4m3"):
+        rollout = plan(replace(run, kv_quant=quant)).rollout
+        assert rollout["kv cache"] == 16 * 36 * 8 * 2 * slots * (128 + 4)  # a byte a code, a float32 scale per (token, KV head)
+        assert rollout["dequantised layer"] == 16 * 8 * 2 * slots * 128 * 2  # one layer read back in bf16 at a time
+        assert rollout["kv rounding record"] == 16 * 36 * 2 * 8 * (1024 + 256) * 128 // 8  # a bit an element, every column
+
+
+def test_smd_plan_prints_the_rows_each_kv_format_fits_with_and_without_eviction(tmp_path, capsys):
+    assert smd("plan", "+recipe=govreport", "kv.quant=fp8_e4m3", f"hydra.run.dir={tmp_path}") == 0
+    formats = json.loads((tmp_path / "plan.json").read_text())["kv_formats"]
+    assert sorted(formats) == sorted(f"{q}, {e}" for q in ("none", "int8", "fp8_e4m3") for e in ("kept 1024", "no eviction"))
+    for size in ("80", "141"):
+        none, fp8 = formats["none, kept 1024"]["rows"][size], formats["fp8_e4m3, kept 1024"]["rows"][size]
+        assert none is not None and fp8 > none  # an 8-bit cache fits more rows
+        assert formats["fp8_e4m3, no eviction"]["rows"][size] < fp8  # and eviction more again
+    # (128 + 4) / 256 of bf16's bytes, plus the rounding record (a bit an element of all 2560 columns): 0.62 of bf16's
+    assert formats["fp8_e4m3, kept 1024"]["kv_bytes_per_row"] / formats["none, kept 1024"]["kv_bytes_per_row"] == pytest.approx(
+        (132 * (1024 + 511) + 2560 * 128 / 8) / (256 * (1024 + 511)))
+    assert "rows at 141 GiB" in capsys.readouterr().out

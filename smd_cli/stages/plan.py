@@ -7,7 +7,9 @@ masks, prefill activations, scores, logits) and learner (checkpointed activation
 vocabulary chunk, LM-head gradients). `plan.gpus=N` plans each of N GPUs under torchrun and FSDP2 (its share
 of the rows, sharded states, what FSDP2 gathers). Then, for each of `plan.device_gb`, whether the step fits and the
 largest `grpo.micro_batch_size` and `sampling.batch_size` that do, and (one GPU) whether it fits with and without
-`optim.offload` (masters, gradients and optimizer state on the host during the rollout). Writes `plan.json`.
+`optim.offload` (masters, gradients and optimizer state on the host during the rollout); and the rows a rollout can
+decode at once (the largest `sampling.batch_size`) for each KV format of `kv.quant` with the run's eviction and without
+any (`kv_formats`). Writes `plan.json`.
 
 `smd train` plans its own step the same way before it allocates anything (`smd_cli.stages.planning.check_fits`).
 """
@@ -63,10 +65,42 @@ def run(cfg: DictConfig) -> dict:
     out = {"run": {k: v for k, v in vars(step).items() if k != "arch"}, "arch": vars(step.arch), "params": step.arch.params,
            "static": result.static, "rollout": result.rollout, "learner": result.learner,
            "peaks": {"static": result.static_bytes, "rollout": result.rollout_bytes, "learner": result.learner_bytes,
-                     "step": result.peak_bytes, "offloaded": result.offloaded}, "devices": fits, "usable": p.usable}
+                     "step": result.peak_bytes, "offloaded": result.offloaded}, "devices": fits, "usable": p.usable,
+           "kv_formats": kv_formats(step, [size * GIB * p.usable for size in p.device_gb], [f"{size:g}" for size in p.device_gb])}
     write_json(run_.dir / "plan.json", out)
     print_plan(cfg, step, result, fits)
+    print_kv_formats(step, out["kv_formats"])
     return out
+
+
+ROWS_LIMIT = 1 << 16  # the largest rollout chunk searched for (rows decoded at once)
+
+
+def kv_formats(step: Run, capacities: list[float], names: list[str]) -> dict:
+    """For each kv.quant format, with the run's eviction and without any (every prompt entry kept): the KV cache bytes
+    of one row and the most rows a rollout decodes at once within each capacity (`largest_fitting`, None: not one)."""
+    out = {}
+    for quant in ("none", "int8", "fp8_e4m3"):
+        for evicting in (True, False):
+            if not evicting and step.kept == step.prompt:
+                continue  # the run evicts nothing: one row says it
+            other = replace(step, kv_quant=quant) if evicting else replace(step, kv_quant=quant, kept=step.prompt, cache_growth=0,
+                                                                             score_rows=0)
+            one = plan(replace(other, rollout_rows=1)).rollout
+            out[f"{quant}, {'kept ' + str(step.kept) if evicting else 'no eviction'}"] = {
+                "kv_quant": quant, "kept": other.kept, "kv_bytes_per_row": one["kv cache"] + one["kv rounding record"],
+                "rows": {name: largest_fitting(other, "rollout_rows", ROWS_LIMIT, capacity) for name, capacity in zip(names, capacities)}}
+    return out
+
+
+def print_kv_formats(step: Run, formats: dict) -> None:
+    table = Table(title=f"rows a rollout decodes at once (largest sampling.batch_size), P {step.prompt} + R {step.response}, by KV format")
+    names = list(next(iter(formats.values()))["rows"])
+    for column in ("kv.quant, prompt entries", "KV GiB a row", *(f"rows at {name} GiB" for name in names)):
+        table.add_column(column, justify="left" if column.startswith("kv.quant") else "right")
+    for label, f in formats.items():
+        table.add_row(label, gib(f["kv_bytes_per_row"]), *(str(f["rows"][name] or "none") for name in names))
+    console.print(table)
 
 
 def print_plan(cfg, step: Run, result, fits: dict) -> None:

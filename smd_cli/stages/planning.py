@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from smd_cli import adaptive, models
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.planner import Arch, Run, plan
+from smd_cli.planner import Arch, Run, plan, rounding_record_bytes
 from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.factories import build_correction, build_policy, build_task
 from smd_cli.stages.model_loading import load_tokenizer
@@ -79,6 +79,7 @@ def describe(cfg: DictConfig, device: str | None = None, gpus: int | None = None
         optimizer="adamw8bit" if str(cfg.optim.get("_target_", "")).startswith("bitsandbytes.") else "adamw",
         reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus, offload=bool(cfg.optim.get("offload", False)),
         shadow=cfg.algo.view == "shadow", distill=bool(cfg.algo.distill), batch_level=build_correction(cfg).batch_level,
+        kv_quant=cfg.kv.quant,
     )
 
 
@@ -86,7 +87,7 @@ def host_terms(cfg: DictConfig, step: Run) -> dict[str, float]:
     """Bytes a training run keeps in host memory beside the step the planner counts: the step's sampling noise (every
     row of every process, drawn at once) and the held-out prompts' token ids (a lower bound: their texts come on top)."""
     rows = step.rows * step.gpus
-    return {"sampling noise": float(NOISE_BYTES * rows * step.response),
+    return {"sampling noise": float(NOISE_BYTES * rows * step.response), "kv rounding record": rounding_record_bytes(step, rows),
             "held-out prompts": float(PROMPT_ID_BYTES * int(cfg.eval.num_prompts or 0) * step.prompt)}
 
 
