@@ -155,3 +155,16 @@ def test_smd_plan_prints_the_rows_each_kv_format_fits_with_and_without_eviction(
     assert formats["fp8_e4m3, kept 1024"]["kv_bytes_per_row"] / formats["none, kept 1024"]["kv_bytes_per_row"] == pytest.approx(
         (132 * (1024 + 511) + 2560 * 128 / 8) / (256 * (1024 + 511)))
     assert "rows at 141 GiB" in capsys.readouterr().out
+
+
+def test_smd_rollout_with_an_fp8_cache_reports_parity_and_the_mismatch_parts(tmp_path, capsys):
+    code = smd("rollout", "kv.quant=fp8_e4m3", "eviction=h2o", "model.warmstart.steps=0", "task.prompt_tokens=48", "num_prompts=2",
+               "num_generations=2", "sampling.max_new_tokens=6", "progress=false", "device=cpu", f"cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, capsys.readouterr().out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["parity/max_abs_diff_shadow"] <= 1e-5 and summary["parity/max_abs_diff_physical"] <= 1e-5
+    assert summary["mismatch/quant_only_max_abs_diff"] > 1e-5 and summary["mismatch/evict_only_max_abs_diff"] > 1e-3
+    # codes and scales: (16 + 4) bytes a (token, KV head) where float32 keys took 64
+    assert summary["kv/bytes_peak"] < 0.35 * summary["kv/bytes_peak_dense"]
+    assert "mismatch/quant_only_max_abs_diff" in capsys.readouterr().out

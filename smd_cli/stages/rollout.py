@@ -125,6 +125,7 @@ def run(cfg: DictConfig) -> dict:
 def print_summary(summary: dict, run_dir) -> None:
     print_metrics(f"smd rollout: {run_dir}", summary, (
         "parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",
+        "mismatch/quant_only_max_abs_diff", "mismatch/evict_only_max_abs_diff",
         "kv/bytes_peak", "kv/bytes_peak_dense", "kv/bytes_ratio", "kv/kept_fraction", "evidence/kept",
         "agreement/p5", "agreement/p50", "agreement/mean", "reward/mean"))
     if "evidence/kept_l0" in summary:
