@@ -115,6 +115,22 @@ def test_check_parity_with_an_int8_cache_passes_and_reports_the_mismatch_parts(t
     assert "quant_only" in capsys.readouterr().out
 
 
+TRAIN = ["model.warmstart.steps=0", "task.prompt_tokens=40", "task.max_new_tokens=4", "grpo.prompts_per_step=2", "grpo.num_generations=2",
+         "eval.num_prompts=2", "eval.batch_size=2", "eval.greedy=false", "checkpoint.every=0", "progress=false", "device=cpu"]
+
+
+def test_a_dense_learner_of_an_int8_rollout_is_reported_not_judged(tmp_path, capsys):
+    """algo=dense samples through the 8-bit cache (KeepAll's) and learns on full-precision keys: its mismatch is the
+    quantisation's, like naive_sparse's is the eviction's (it was judged as a dense learner's, and broke the run)."""
+    run = tmp_path / "run"
+    code = smd("train", "algo=dense", "eviction=none", "kv.quant=int8", "steps=1", *TRAIN, f"cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={run}")
+    assert code == 0, capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["parity/judged"] == 0.0
+    assert summary["train/mismatch/max_abs_diff_max"] > 1e-5  # the quantisation, felt by a full-precision learner
+
+
 def test_smd_train_with_an_int8_cache_keeps_parity_within_the_contract(tmp_path, capsys):
     run = tmp_path / "run"
     code = smd("train", "kv.quant=int8", "steps=2", "model.warmstart.steps=0", "task.prompt_tokens=40", "task.max_new_tokens=4",

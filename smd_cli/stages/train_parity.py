@@ -1,6 +1,6 @@
 """`smd train` holds its learner to the sampler's policy every step (DESIGN.md contracts 1 and 6).
 
-An algorithm whose learner scores the sampler's own view (SMD's shadow replay; a dense learner of dense rollouts)
+An algorithm whose learner scores the sampler's own view (SMD's shadow replay; a dense learner of dense, full-precision rollouts)
 logs that parity every step: `mismatch/max_abs_diff`, the largest |log p_learner - log p_sampler| of its first
 pass. `ParityGuard` judges it against the contract's bound, `guard.parity_bound` (null: `smd check-parity`'s
 `parity.bound`, 1e-5 in float32), the way check-parity judges a miss: the next step's rollout, drawn at the
@@ -42,7 +42,8 @@ class ParityGuard:
 
     @classmethod
     def of(cls, cfg: DictConfig, dtype: str, processes: int) -> ParityGuard:
-        judged = cfg.algo.view == "shadow" or not cfg.algo.evicting
+        quantised = (cfg.get("kv") or {}).get("quant", "none") != "none"  # a dense learner of an 8-bit rollout: its mismatch is the
+        judged = cfg.algo.view == "shadow" or (not cfg.algo.evicting and not quantised)  # quantisation's, reported, not judged
         explicit = cfg.guard.get("parity_bound")
         full = dtype in ("float32", "float64") and processes == 1
         bound = explicit if explicit is not None else CHECK_PARITY_BOUND if dtype in ("float32", "float64") else None
