@@ -217,3 +217,25 @@ def test_bench_agreement_small_runs_quick_on_the_tiny_model(tmp_path, capsys):
     assert rows[0]["agreement/p5"] == 1.0 and all(0 <= r["agreement/p5"] <= r["agreement/p50"] <= 1 for r in rows)
     assert rows[2]["kv_kept"] < rows[1]["kv_kept"] < 1.0
     assert "| snapkv | 0.9 |" in capsys.readouterr().out and json.loads((tmp_path / "out.json").read_text())["rows"] == rows
+
+
+def test_smds_free_agreement_is_the_extra_passes(tiny_model, tiny_tokenizer):
+    """SMD's learner step (its shadow view against its dense teacher, at the rollout's weights: lr 0 here) logs the same
+    percentiles as the standalone pass the dense-view algorithms take, whole or three rows at a time."""
+    from smd_cli.eviction.snapkv import SnapKV
+    from smd_cli.learner import Algorithm, learner_step
+    from smd_cli.rollout import generate
+    from smd_cli.tasks.synthetic import NeedleRetrieval
+
+    task = NeedleRetrieval(prompt_tokens=48)
+    prompts = [task.encode_prompt(task.example("test", i), tiny_tokenizer) for i in range(2) for _ in range(4)]
+    batch = generate(tiny_model, prompts, policy=SnapKV(compression=0.8), max_new_tokens=6, generator=torch.Generator().manual_seed(0),
+                     eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id, measure_dense_kv=False)
+    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
+    free = learner_step(tiny_model, optimizer, batch, torch.zeros(8), Algorithm("smd"))
+    for rows in (None, 3):
+        values = agreement.measure(tiny_model, batch, 1.0, micro_batch_size=rows)
+        assert values.numel() == int(batch.response_mask.sum())
+        extra = agreement.summary(values)
+        assert {k: free[k] for k in extra} == pytest.approx(extra, abs=1e-5)
+    assert free["agreement/mean"] < 1 - 1e-4  # the eviction is felt
