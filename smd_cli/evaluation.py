@@ -142,6 +142,6 @@ def evaluate(
         **{key: distributed.largest(value) for key, value in peak_memory_bytes(device).items()},
         **{key: total / len(examples) for key, total in kept.items()},
     })
-    if policy is None:
+    if policy is None and kv_quant == "none":  # a dense cache's bytes (an 8-bit one's are kv/bytes_peak; no dense one ran)
         summary["kv/bytes_peak_dense"] = kv_peak_dense
     return rows, summary

@@ -184,3 +184,16 @@ def test_smd_rollout_with_an_fp8_cache_reports_parity_and_the_mismatch_parts(tmp
     # codes and scales: (16 + 4) bytes a (token, KV head) where float32 keys took 64
     assert summary["kv/bytes_peak"] < 0.35 * summary["kv/bytes_peak_dense"]
     assert "mismatch/quant_only_max_abs_diff" in capsys.readouterr().out
+
+
+def test_smd_eval_with_an_int8_cache_holds_the_codes_bytes(tmp_path):
+    """eviction=none with kv.quant=int8: the evicting cache keeps every entry in 8 bits; (16 + 4) / 64 of the float32
+    cache's bytes on the tiny model (head dim 16, a float32 scale per (token, KV head)), and no dense-cache figure."""
+    summaries = {}
+    for quant in ("none", "int8"):
+        run = tmp_path / quant
+        assert smd("eval", f"kv.quant={quant}", "eval.limit=4", "model.warmstart.steps=0", "progress=false", "device=cpu",
+                   f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}") == 0
+        summaries[quant] = json.loads((run / "summary.json").read_text())
+    assert summaries["int8"]["kv_quant"] == "int8" and "kv/bytes_peak_dense" not in summaries["int8"]
+    assert summaries["int8"]["kv/bytes_peak"] == summaries["none"]["kv/bytes_peak"] * (16 + 4) / 64
