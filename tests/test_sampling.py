@@ -14,7 +14,7 @@ from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.evaluation import evaluate
 from smd_cli.learner import Algorithm, learner_step
 from smd_cli.rollout import draw, generate, sample
-from smd_cli.sampling import MAX_SUPPORT, Support, choose, inside, kept_mask, token_logprobs
+from smd_cli.sampling import MAX_SUPPORT, Kept, Support, SupportLog, choose, inside, kept_mask, token_logprobs
 from smd_cli.scoring import response_hidden, response_logits, vocab_terms
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
@@ -237,8 +237,6 @@ def test_a_dense_view_scores_the_samplers_kept_set_by_hand():
     the dense view (p_d, flatter) puts 0.004 on token 0 and 0.002 on y. Over the sampler's set its truncated
     log-prob is log(0.002 / 0.006) = -1.0986. Rebuilding the set from the sampler's probability threshold with the
     dense view's own log-probs (as before) kept {y} alone: log-prob 0, no gradient, every ratio 1 / q(y)."""
-    from smd_cli.sampling import SupportLog
-
     sampler = torch.full((1, 1000), 0.05 / 998).index_put_((torch.tensor([0, 0]), torch.tensor([0, 1])), torch.tensor([0.6, 0.35])).log()
     dense = torch.full((1, 1000), 0.994 / 998).index_put_((torch.tensor([0, 0]), torch.tensor([0, 1])), torch.tensor([0.004, 0.002])).log()
     tokens, logq, kept = sample(sampler, 1.0, 0.9, torch.tensor([0.9]))  # the rollout's sampler
@@ -301,3 +299,30 @@ def test_the_recorded_set_is_bounded_and_says_so(tiny_model, tiny_tokenizer):
     assert batch.stats["rollout/support_capped_fraction"] > 0 and batch.sampling_support.width <= MAX_SUPPORT
     with pytest.raises(ValueError, match=f"top_k must be an integer in \\[0, {MAX_SUPPORT}\\]"):
         rollout(tiny_model, tiny_tokenizer, top_k=MAX_SUPPORT + 1)
+
+
+def test_sampler_and_learner_agree_bit_for_bit_on_a_real_sized_vocabulary():
+    """SmolLM2's vocabulary (49152) and logits of its size (row maxima near 30): given the same logits, the learner's
+    `vocab_terms` returns the sampler's recorded log-probs bit for bit, untruncated and over a top-p set. Float32
+    `log_softmax` (the sampler's formula before) misses the learner's `logit - logsumexp` by rounding there."""
+    generator = torch.Generator().manual_seed(8)
+    head = torch.nn.Linear(64, 49152, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(49152, 64, generator=generator) * 0.6)
+        hidden = torch.randn(1, 24, 64, generator=generator)
+        logits = head(hidden[0])  # [24, V], the rows the learner's one chunk computes too
+    assert 20 < logits.amax(-1).mean() < 40
+    uniforms, mask = torch.rand(24, generator=generator), torch.ones(1, 24, dtype=torch.bool)
+    for top_p in (1.0, 0.9):
+        tokens, recorded, kept = sample(logits, 1.0, top_p, uniforms)
+        support = None
+        if kept is not None:
+            log = SupportLog(1, 24, "cpu")
+            for r in range(24):  # one response of 24 tokens
+                log.add(r, Kept(kept.ids[r : r + 1], kept.count[r : r + 1], kept.capped[r : r + 1]), torch.tensor([True]))
+            support = log.support(24)[0]
+        with torch.no_grad():
+            learner = vocab_terms(head, hidden, tokens[None], mask, 1.0, support=support)["logp"][0]
+        assert torch.equal(learner, recorded), (top_p, (learner - recorded).abs().max())
+        if top_p == 1.0:  # the comparison can fail: the old record, float32 log_softmax, is another rounding
+            assert not torch.equal(torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1), learner)
