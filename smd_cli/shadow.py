@@ -33,7 +33,6 @@ from __future__ import annotations
 import copy
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
