@@ -87,8 +87,11 @@ def host_terms(cfg: DictConfig, step: Run) -> dict[str, float]:
     """Bytes a training run keeps in host memory beside the step the planner counts: the step's sampling noise (every
     row of every process, drawn at once) and the held-out prompts' token ids (a lower bound: their texts come on top)."""
     rows = step.rows * step.gpus
-    return {"sampling noise": float(NOISE_BYTES * rows * step.response), "kv rounding record": rounding_record_bytes(step, rows),
-            "held-out prompts": float(PROMPT_ID_BYTES * int(cfg.eval.num_prompts or 0) * step.prompt)}
+    terms = {"sampling noise": float(NOISE_BYTES * rows * step.response),
+             "held-out prompts": float(PROMPT_ID_BYTES * int(cfg.eval.num_prompts or 0) * step.prompt)}
+    if step.kv_quant != "none":  # an 8-bit cache's record of rounding directions, the step's rows (`smd_cli.kv_quant`)
+        terms["kv rounding record"] = rounding_record_bytes(step, rows)
+    return terms
 
 
 def machine_memory(device: torch.device) -> tuple[float, float, str]:
