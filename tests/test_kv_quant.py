@@ -133,13 +133,14 @@ def test_a_dense_learner_of_an_int8_rollout_is_reported_not_judged(tmp_path, cap
 
 def test_smd_train_with_an_int8_cache_keeps_parity_within_the_contract(tmp_path, capsys):
     run = tmp_path / "run"
-    code = smd("train", "kv.quant=int8", "steps=2", "model.warmstart.steps=0", "task.prompt_tokens=40", "task.max_new_tokens=4",
-               "grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=2", "eval.batch_size=2", "eval.greedy=false",
-               "checkpoint.every=0", "progress=false", "device=cpu", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={run}")
-    assert code == 0, capsys.readouterr().out
+    code = smd("train", "kv.quant=int8", "steps=2", "sampling.batch_size=2", *TRAIN, f"cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={run}")  # two rollout chunks a step: their rounding records concatenated with the rows
+    out = capsys.readouterr().out
+    assert code == 0, out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["parity/judged"] == 1.0
     assert summary["train/mismatch/max_abs_diff_max"] <= 1e-5
+    assert "parity: max |log p_learner - log p_sampler|" in out
 
 
 def test_the_planner_counts_8_bit_codes_their_scales_and_the_rounding_record_by_hand():
@@ -197,3 +198,22 @@ def test_smd_eval_with_an_int8_cache_holds_the_codes_bytes(tmp_path):
         summaries[quant] = json.loads((run / "summary.json").read_text())
     assert summaries["int8"]["kv_quant"] == "int8" and "kv/bytes_peak_dense" not in summaries["int8"]
     assert summaries["int8"]["kv/bytes_peak"] == summaries["none"]["kv/bytes_peak"] * (16 + 4) / 64
+
+
+def test_chunks_concatenated_keep_each_rows_rounding_record_at_its_columns(tiny_model, tiny_tokenizer):
+    from smd_cli.rollout import concat_rollouts
+
+    chunks = [generate(tiny_model, prompts, policy=SnapKV(compression=0.5, sink=1, window=2), max_new_tokens=4,
+                       generator=torch.Generator().manual_seed(0), eos_token_id=tiny_tokenizer.eos_token_id,
+                       pad_token_id=tiny_tokenizer.pad_token_id, measure_dense_kv=False, kv_quant="int8")
+              for prompts in ([[5, 6, 7] * 4, [8, 9] * 5], [[7, 8, 9, 10] * 5])]
+    records = [c.kv_rounding.clone() for c in chunks]
+    widths = [(c.prompt_length, c.input_ids.shape[1]) for c in chunks]
+    assert records[0].device.type == "cpu" and records[0].shape[:5] == (2, 2, 2, 2, widths[0][1]) and records[0].any()
+    batch = concat_rollouts(chunks, tiny_tokenizer.pad_token_id)
+    P = batch.prompt_length
+    for rows, record, (prompt, width) in zip((slice(0, 2), slice(2, 3)), records, widths):
+        shift = P - prompt  # the prompt moves right by this many columns
+        assert torch.equal(batch.kv_rounding[rows, ..., shift : shift + width, :], record)
+        assert not batch.kv_rounding[rows, ..., :shift, :].any()
+    assert batch.kv_quant == "int8"
