@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from smd_cli import checkpoint as ckpt
-from smd_cli import learner
+from smd_cli import integrity, learner
 from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.cli import CONF_DIR, register_recipes
 from smd_cli.io import read_jsonl
@@ -120,23 +120,25 @@ def test_resume_is_bit_for_bit_even_after_a_killed_write(tmp_path, cache, monkey
     train_run(straight, cache, *smd, "steps=4")
     train_run(parts, cache, *smd, "steps=3")  # checkpoints at 2 and 3 (the end)
 
-    def killed(root):  # the step-4 save dies after writing half of its trainer state, before the rename
-        if root.name == ".step_000004.tmp":
-            (root / "trainer_state.pt").write_bytes((root / "trainer_state.pt").read_bytes()[:100])
+    def killed(path):  # the step-4 save dies after writing half of its trainer state, before the rename
+        if path.name == "trainer_state.pt" and path.parent.name.startswith(".step_000004."):
+            path.write_bytes(path.read_bytes()[:100])
             raise KeyboardInterrupt("killed")
 
     with monkeypatch.context() as patch:
-        patch.setattr(ckpt, "_fsync_tree", killed)
+        patch.setattr(integrity, "_fsync", killed)
+        patch.setattr(integrity, "_remove", lambda path: None)  # a killed process removes nothing
         with pytest.raises(KeyboardInterrupt):
             train_run(parts, cache, *smd, "steps=4", "resume=true")
-    assert (parts / "checkpoints" / ".step_000004.tmp").is_dir() and ckpt.latest_checkpoint(parts).step == 3
+    left = list((parts / "checkpoints").glob(".step_000004.*.tmp"))
+    assert len(left) == 1 and left[0].is_dir() and ckpt.latest_checkpoint(parts).step == 3
 
     summary = train_run(parts, cache, *smd, "steps=4", "resume=true")
     assert summary["status"] == "completed" and summary["steps"] == 4
     assert reproducible(parts) == reproducible(straight)
     assert all(row["reward_std"] > 0 and row["loss/policy"] != 0 for row in reproducible(straight))
     assert [r["step"] for r in read_jsonl(parts / "metrics.jsonl")] == [1, 2, 3, 4]
-    assert not (parts / "checkpoints" / ".step_000004.tmp").exists()
+    assert not list((parts / "checkpoints").glob(".step_000004.*.tmp"))
     assert len((parts / "resumes.jsonl").read_text().splitlines()) == 2
     for name in ("checkpoints/step_000004/model", "final"):  # the weights too, bit for bit
         a, b = load_file(straight / name / "model.safetensors"), load_file(parts / name / "model.safetensors")
