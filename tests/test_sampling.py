@@ -174,6 +174,8 @@ def test_entropy_and_kl_over_the_support_by_hand():
     student's and the teacher's probabilities restricted to the recorded set and renormalised."""
     generator = torch.Generator().manual_seed(5)
     head = torch.nn.Linear(8, 30, bias=False)
+    with torch.no_grad():  # seeded here, not by whatever ran before in the process
+        head.weight.copy_(torch.randn(30, 8, generator=generator) / 8**0.5)
     hidden, teacher = torch.randn(2, 3, 8, generator=generator), torch.randn(2, 3, 8, generator=generator)
     tokens, mask = torch.randint(0, 30, (2, 3), generator=generator), torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
     with torch.no_grad():
@@ -195,7 +197,8 @@ def test_entropy_and_kl_over_the_support_by_hand():
     torch.testing.assert_close(out["entropy"][mask], entropy[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(out["kl"][mask], kl[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(out["teacher_logp"][mask], q_t.gather(-1, tokens[..., None]).squeeze(-1).log()[mask], atol=1e-5, rtol=0)
-    assert (out["kl"][mask] > 1e-3).all()  # the comparison can fail: the two distributions differ
+    wide = mask & (inside.sum(-1) >= 4)  # a set of one or two tokens leaves the two distributions (nearly) alike
+    assert wide.sum() >= 3 and (out["kl"][wide] > 1e-3).all()  # the comparison can fail: the two distributions differ
 
 
 def test_evaluation_and_training_rollouts_take_top_k(tiny_model, tiny_tokenizer):
