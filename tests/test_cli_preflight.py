@@ -37,18 +37,12 @@ def test_a_sweep_directory_that_is_a_file_is_a_config_error(tmp_path, capsys, no
     assert said(capsys) == f"config error: hydra.sweep.dir='{a_file}' is not allowed: it is an existing file, not a directory"
 
 
-def test_every_run_of_a_train_sweep_is_checked_before_the_first_starts(tmp_path, capsys, nothing_runs):
+@pytest.mark.parametrize("stage, values, prefix", [("train", "0.1,abc", "-m run"), ("ablate", "abc,0.1", "ablate run")])
+def test_every_run_of_a_sweep_is_checked_before_the_first_starts(stage, values, prefix, tmp_path, capsys, nothing_runs):
+    """`smd train -m` checks every run of its sweep, `smd ablate -m` every member of each ablate run, before any starts."""
     out = tmp_path / "sweep"
-    assert smd("train", "-m", "lambda=0.1,abc", f"hydra.sweep.dir={out}") == 2
-    assert said(capsys) == ("config error: -m run lambda=abc: lambda='abc' is not allowed: a finite number >= 0 "
-                            "(the SMD distillation weight)")
-    assert not out.exists()
-
-
-def test_every_member_of_an_ablate_sweep_is_checked_before_the_sweep_starts(tmp_path, capsys, nothing_runs):
-    out = tmp_path / "sweep"
-    assert smd("ablate", "-m", "lambda=abc,0.1", f"hydra.sweep.dir={out}") == 2
-    assert said(capsys) == ("config error: ablate run lambda=abc: lambda='abc' is not allowed: a finite number >= 0 "
+    assert smd(stage, "-m", f"lambda={values}", f"hydra.sweep.dir={out}") == 2
+    assert said(capsys) == (f"config error: {prefix} lambda=abc: lambda='abc' is not allowed: a finite number >= 0 "
                             "(the SMD distillation weight)")
     assert not out.exists()
 
