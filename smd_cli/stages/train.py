@@ -198,9 +198,8 @@ def run(cfg: DictConfig) -> dict:
     distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
     check_context(cfg, response=False)  # the architecture, and a prompt within the model's positions, before anything is sized
     check_fits(adaptive.fixed(cfg), pick_device(cfg), distributed.size())  # the planner's step (adaptive: its most KV) against this machine's memory
-    check_context(cfg)  # prompt and response within the model's positions
     resume_from = distributed.from_main(find_resume, cfg)  # verified and config-checked before any model is built
-    run_ = start_run(cfg)
+    run_ = start_run(cfg)  # prompt and response within the model's positions (`check_context`), then the run directory
     main = distributed.is_main()
     run_dir = resume_from.path.parent.parent if resume_from else run_.dir
     task = build_task(cfg)
