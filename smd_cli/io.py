@@ -50,11 +50,6 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary file and a rename, so readers never see half a file."""
-    write_file(path, text)
-
-
 def to_json(obj: Any, **kwargs) -> str:
     """`obj` as strict JSON: tensors as numbers or lists, paths as text, and NaN or infinity as null."""
     return json.dumps(plain(obj), allow_nan=False, **kwargs)

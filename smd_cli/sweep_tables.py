@@ -23,7 +23,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli.io import read_jsonl, write_atomic
+from smd_cli.integrity import write_file
+from smd_cli.io import read_jsonl
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 LABELS = {  # summary key -> its short name in the console tables
@@ -103,7 +104,7 @@ def write_table(out: Path, rows: list[dict], keys: list[str], metrics: list[str]
     for r in rows:
         table.add_row(*[_fmt(r.get(c)) for c in columns], style="red" if r["status"] != "ok" else None)
     console.print(table)
-    write_atomic(out / "ablation.md", markdown(columns, [[_fmt(r.get(c)) for c in columns] for r in rows]))
+    write_file(out / "ablation.md", markdown(columns, [[_fmt(r.get(c)) for c in columns] for r in rows]))
     with (out / "ablation.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=["run", *keys, *metrics, "status", "error", "dir"], extrasaction="ignore")
         writer.writeheader()
@@ -124,7 +125,7 @@ def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[st
     for c in cells:
         table.add_row(*c)
     console.print(table)
-    write_atomic(out / "ablation_mean.md", f"Mean ± standard error over {', '.join(over)} (n finished / runs; a collapsed run "
+    write_file(out / "ablation_mean.md", f"Mean ± standard error over {', '.join(over)} (n finished / runs; a collapsed run "
                  "is counted and averaged in with its numbers).\n\n" + markdown(columns, cells))
     with (out / "ablation_mean.csv").open("w", newline="") as f:
         fields = [*keys, *[c for m in metrics for c in (m, f"{m} se")], "n", "runs", "collapsed"]

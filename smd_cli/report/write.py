@@ -11,7 +11,7 @@ import json
 import time
 from pathlib import Path
 
-from smd_cli.io import write_atomic
+from smd_cli.integrity import write_file
 from smd_cli.report import claims, figures, machinery, tables
 from smd_cli.report.data import Sweep, check_weights
 from smd_cli.report.tables import MAIN_COLUMNS
@@ -54,7 +54,7 @@ class Report:
 
     def save(self) -> Path:
         path = self.out / "REPORT.md"
-        write_atomic(path, "\n".join(self.lines).rstrip() + "\n")
+        write_file(path, "\n".join(self.lines).rstrip() + "\n")
         return path
 
 
