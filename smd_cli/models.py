@@ -8,6 +8,8 @@ synthetic tasks' words (` f12`, ` k3`, ` v40`, ...) are single tokens through ex
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
@@ -168,6 +170,57 @@ def unreplayable(model) -> str | None:
         return (f"its backbone ({type(backbone).__name__}) lacks {', '.join(missing)} of the decoder layout the learner "
                 f"replays layer by layer ({', '.join(DECODER_LAYOUT)})")
     return unsupported(model.config)
+
+
+class WideLogits(torch.nn.Linear):
+    """An LM head that computes its logits in a wider dtype than the model's (`logits_dtype`, float64 by default):
+    input, weight and bias are cast to it, so everything after the head (log-softmax, sampling, the KL) runs in
+    it too. The weight stays the model's own parameter (tied, trained, checkpointed as before). Inside
+    `fixed_weights` (a rollout, whose weights do not change) the cast weight is made once, not at every decode step;
+    elsewhere it is cast at every call (a fused optimizer updates weights without bumping their version, so no
+    cache could tell a stale cast).
+
+    Why: the projection onto the vocabulary is the largest float32 reduction the log-probs go through. On
+    SmolLM2-135M (logits up to ~34 from hidden states of norm ~48) its rounding alone moved a token's log-prob by
+    up to 1.7e-5 between two orders of summation, more than DESIGN.md's 1e-5 parity between the sampler (one
+    row per decode step) and the learner (the whole response at once); in float64 on both sides what is left is
+    the backbone's own float32 rounding (results/real_model_cpu.md)."""
+
+    logits_dtype = torch.float64
+    fixed: torch.Tensor | None = None  # the cast weight while `fixed_weights` holds
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        wide = self.logits_dtype
+        fixed = self.fixed is not None and not torch.is_grad_enabled()
+        weight = self.fixed if fixed else self.weight.to(wide)
+        bias = None if self.bias is None else self.bias.to(wide)
+        return torch.nn.functional.linear(hidden.to(wide), weight, bias)
+
+
+@contextlib.contextmanager
+def fixed_weights(model):
+    """While the weights stay as they are (a rollout): a `WideLogits` head casts its weight once for all calls
+    without gradient. Nothing for another head, or a sharded one (FSDP gathers it inside the forward)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, WideLogits) or type(head.weight.detach()) is not torch.Tensor:
+        yield
+        return
+    head.fixed = head.weight.detach().to(head.logits_dtype)
+    try:
+        yield
+    finally:
+        head.fixed = None
+
+
+def set_logits_dtype(model, name: str | None) -> None:
+    """Compute `model`'s logits in dtype `name` (`WideLogits`); None leaves its head as it is (the compute dtype)."""
+    if name is None:
+        return
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"model.logits_dtype={name}: the LM head is a {type(head).__name__}, not a Linear layer")
+    head.__class__ = WideLogits  # the same module and parameters (state dict, ties, hooks), another forward
+    head.logits_dtype = getattr(torch, name)
 
 
 def enable_checkpointing(model) -> None:

@@ -36,6 +36,7 @@ from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
 from smd_cli.eviction.none import KeepAll
 from smd_cli.kv_quant import CacheReads, check_kind
+from smd_cli.models import fixed_weights
 from smd_cli.attention import use_smd_attention
 from smd_cli.rollout_attention import RolloutState
 from smd_cli.sampling import MAX_SUPPORT, OUTSIDE, Kept, Support, SupportLog, choose, kept_mask, logprob, scaled
@@ -430,7 +431,7 @@ def generate(
         noise = noise.to(device)
     bar, task = _progress(progress, max_new_tokens)
     use_smd_attention(model)
-    with bar:
+    with bar, fixed_weights(model):
         for step in range(max_new_tokens):
             uniforms = None if noise is None else noise[:, step]
             tokens, token_logp, kept = sample(run.forward(model, step), temperature, top_p, uniforms, top_k)

@@ -152,6 +152,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
                           + ("" if signed else "; it has no MANIFEST.json (not written by smd train), so nothing could "
                              "check it before loading")) from None
     check_replayable(model, m.get("name"))
+    models.set_logits_dtype(model, m.get("logits_dtype"))
     mark_weights(model, weights.Weights("local", str(path), "checkpoint dtype"))
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "

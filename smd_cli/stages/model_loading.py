@@ -155,8 +155,9 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     """(model, tokenizer) for `cfg.model`, in eval mode on `device`: a Hub checkpoint, an architecture with
     random weights (`name_or_path: null` builds it from `model.config` alone, offline: the tiny model, or
     Qwen3-4B's widths for `model=qwen3_4b_random`), the tiny one warm-started on a generated `task` (cached
-    under `cfg.cache_dir`). Every model gets the smd attention, its compute dtype (`compute_dtype`), and
-    gradient checkpointing when `model.gradient_checkpointing` is set."""
+    under `cfg.cache_dir`). Every model gets the smd attention, its compute dtype (`compute_dtype`), its logits'
+    dtype (`model.logits_dtype`, `models.WideLogits`) and gradient checkpointing when `model.gradient_checkpointing`
+    is set."""
     m = cfg.model
     name = compute_dtype(cfg, device)
     tokenizer = load_tokenizer(cfg)
@@ -184,6 +185,7 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
                           f"{len(tokenizer)} ids; set model.config.vocab_size or model.tokenizer")
     if m.gradient_checkpointing:
         models.enable_checkpointing(model)
+    models.set_logits_dtype(model, m.get("logits_dtype"))
     return model.to(device).eval(), tokenizer
 
 

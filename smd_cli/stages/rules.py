@@ -272,6 +272,7 @@ RULES: dict[str, Rule] = {
     "model.random_init": flag(),
     "model.dtype": one_of(*DTYPES),
     "model.cpu_dtype": one_of(*DTYPES, null="= model.dtype"),
+    "model.logits_dtype": one_of("float32", "float64", null="= the compute dtype"),
     "model.replay": one_of("auto", "sdpa", "flex"),
     "model.trust_remote_code": flag(),
     "model.gradient_checkpointing": flag(),
