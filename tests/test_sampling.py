@@ -36,7 +36,6 @@ def test_the_support_by_hand(top_p, top_k, inside):
     logp = torch.tensor([PROBS]).log()
     assert kept(logp, top_p, top_k) == [bool(v) for v in inside]
     mass = sum(p for p, i in zip(PROBS, inside) if i)
-    tokens = torch.tensor([0])
     _, logq, found = sample(logp, 1.0, top_p, torch.tensor([0.0]), top_k)  # u = 0 draws the most probable token
     assert found.count.item() == sum(inside) and logq.item() == pytest.approx(math.log(0.4 / mass), abs=1e-6)
 

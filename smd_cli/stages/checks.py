@@ -56,3 +56,15 @@ def cache_errors(cfg: DictConfig):
         value = cfg.get("cache_dir") or os.environ.get("SMD_CACHE_DIR", ".cache/smd")
         key = "cache_dir" + (" (from SMD_CACHE_DIR)" if value == os.environ.get("SMD_CACHE_DIR") else "")
         raise ConfigError(f"{key}={value!r} is not allowed: {err}; point cache_dir (or SMD_CACHE_DIR) at a writable folder") from None
+
+
+def one_line(err: BaseException) -> str:
+    """An error and its causes in one line, without OmegaConf's full_key / object_type detail lines."""
+    parts = []
+    while err is not None:
+        lines = [line.strip() for line in str(err).split("Config search path")[0].splitlines() if line.strip()]
+        text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type=")))
+        if text and text not in parts:
+            parts.append(text)
+        err = err.__cause__
+    return ": ".join(parts)

@@ -18,8 +18,8 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.stages.checks import ROOT, ConfigError
-from smd_cli.stages.rules import PATTERNS, RULES, TASK_FIELDS, _is_node, check_config, rule_for
+from smd_cli.stages.checks import ROOT, ConfigError, one_line
+from smd_cli.stages.rules import PATTERNS, RULES, TASK_FIELDS, is_node, check_config, rule_for
 
 
 def arguments(args: list[str]) -> list[str]:
@@ -81,12 +81,10 @@ def _composing():
 def _compose(config_name: str, combo: list[str], label: str) -> DictConfig:
     from hydra import compose
 
-    from smd_cli.stages.sweep import _chain
-
     try:
         return compose(config_name=config_name, overrides=combo, return_hydra_config=True)
     except Exception as err:  # Hydra's override and composition errors
-        raise ConfigError(f"-m run {label}: {_chain(err)}" if label else _chain(err)) from None
+        raise ConfigError(f"-m run {label}: {one_line(err)}" if label else one_line(err)) from None
 
 
 def check_sweep(config_name: str, args: list[str]) -> None:
@@ -139,7 +137,7 @@ def unread_additions(stage: str, args: list[str]) -> list[str]:
         if not arg.startswith("+"):
             continue
         key = arg.lstrip("+").partition("=")[0]
-        if key.startswith("hydra") or "/" in key or key in GROUPS or rule_for(key, stage) is not None or _is_node(key, stage):
+        if key.startswith("hydra") or "/" in key or key in GROUPS or rule_for(key, stage) is not None or is_node(key, stage):
             continue
         if key.startswith("task.") and key.split(".")[1] in _task_parameters():
             continue

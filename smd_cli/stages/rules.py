@@ -404,7 +404,7 @@ def leaves(node: Any, stage: str, prefix: str = ""):
             yield path, value, rule
 
 
-def _is_node(key: str, stage: str) -> bool:
+def is_node(key: str, stage: str) -> bool:
     """Whether the table has rules below `key` (so that a scalar there replaced a group of settings)."""
     below = (k.split(":", 1)[-1] for k in [*RULES, *PATTERNS] if ":" not in k or k.startswith(f"{stage}:"))
     return key in ("task", "model.warmstart.task") or any(k.startswith(key + ".") for k in below)
@@ -432,7 +432,7 @@ def problems(config: dict, stage: str, derived: frozenset[str] = frozenset()) ->
     out = []
     for key, value, rule in leaves(config, stage):
         if rule is None:
-            if _is_node(key, stage) and not isinstance(value, Mapping):
+            if is_node(key, stage) and not isinstance(value, Mapping):
                 out.append((key, value, "a group of settings (KEY.NAME=VALUE), not a single value"))
         elif not rule(value):
             out.append((key, value, rule.allowed))

@@ -36,7 +36,7 @@ from rich.markup import escape
 
 from smd_cli import integrity, lifetime
 from smd_cli.io import write_json
-from smd_cli.stages.checks import ROOT, ConfigError
+from smd_cli.stages.checks import ROOT, ConfigError, one_line
 from smd_cli.stages.rules import check_config
 
 OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason
@@ -146,7 +146,7 @@ def _member(combo: tuple, overrides: list[str]) -> Member:
     try:
         cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
     except Exception as err:  # Hydra's override and composition errors
-        raise ConfigError(f"ablate run {label}: {_chain(err)}") from None
+        raise ConfigError(f"ablate run {label}: {one_line(err)}") from None
     try:  # every value of the member, by the rules `smd train` applies (a swept `lambda=abc` is named here)
         check_config(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), "train")
     except ConfigError as err:
@@ -181,18 +181,6 @@ def _compose_context():
     if GlobalHydra.instance().is_initialized():
         return contextlib.nullcontext()
     return initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3")
-
-
-def _chain(err: BaseException) -> str:
-    """An error and its causes in one line, without OmegaConf's full_key / object_type detail lines."""
-    parts = []
-    while err is not None:
-        lines = [line.strip() for line in str(err).split("Config search path")[0].splitlines() if line.strip()]
-        text = " ".join(line for line in lines if not line.startswith(("full_key:", "object_type=", "reference_type=")))
-        if text and text not in parts:
-            parts.append(text)
-        err = err.__cause__
-    return ": ".join(parts)
 
 
 OUTCOMES = {"completed": "ok", "collapsed": "collapsed"}  # a train run's summary status -> the member's outcome (else failed)
