@@ -79,20 +79,25 @@ def smd_attention(module, query, key, value, attention_mask, scaling=None, dropo
     tap, shadow = kwargs.get("prompt_tap"), kwargs.get("shadow")
     if tap is not None and tap.armed:
         tap.capture(key, value)
+    wide = getattr(module.config, "smd_attention_dtype", None)  # `model.attention_dtype` (`models.set_attention_dtype`)
+    with kernels.widened(None if wide is None else getattr(torch, wide)):
+        out = _attend(module, query, key, value, attention_mask, scaling, shadow, kwargs)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _attend(module, query, key, value, attention_mask, scaling, shadow, kwargs) -> torch.Tensor:
     if kwargs.get("rollout_state") is not None:
-        out = rollout_attention(module.layer_idx, query, key, value, scaling, kwargs["rollout_state"])
-    elif kwargs.get("prompt_kv") is not None:  # response rows whose prompt ran elsewhere: its keys first
+        return rollout_attention(module.layer_idx, query, key, value, scaling, kwargs["rollout_state"])
+    if kwargs.get("prompt_kv") is not None:  # response rows whose prompt ran elsewhere: its keys first
         prompt_key, prompt_value, *owner = kwargs["prompt_kv"]
         if owner:  # one prompt for several rows: each row's copy, made here (a checkpoint keeps only the prompts')
             prompt_key, prompt_value = prompt_key[owner[0]], prompt_value[owner[0]]
         key, value = torch.cat([prompt_key, key], 2), torch.cat([prompt_value, value], 2)
-        out = dense(query, key, value, attention_mask, scaling) if shadow is None else replay_rows(module.layer_idx, query, key, value,
-                                                                                                   scaling, shadow)
+        if shadow is not None:
+            return replay_rows(module.layer_idx, query, key, value, scaling, shadow)
     elif shadow is not None:
-        out = replay(module.layer_idx, query, key, value, scaling, shadow)
-    else:
-        out = dense(query, key, value, attention_mask, scaling)
-    return out.transpose(1, 2).contiguous(), None
+        return replay(module.layer_idx, query, key, value, scaling, shadow)
+    return dense(query, key, value, attention_mask, scaling)
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,

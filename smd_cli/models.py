@@ -212,6 +212,16 @@ def fixed_weights(model):
         head.fixed = None
 
 
+def set_attention_dtype(model, name: str | None) -> None:
+    """Attend in dtype `name` (`kernels.widened`: every SDPA of the smd attention, the rollout's and the learner's;
+    the compiled flex replay gives way to SDPA); None: in the compute dtype. Set on the config, where the attention
+    reads it, and set or cleared by every loader, so that a checkpoint's saved value never carries over."""
+    if name is None:
+        model.config.__dict__.pop("smd_attention_dtype", None)
+    else:
+        model.config.smd_attention_dtype = name
+
+
 def set_logits_dtype(model, name: str | None) -> None:
     """Compute `model`'s logits in dtype `name` (`WideLogits`); None leaves its head as it is (the compute dtype)."""
     if name is None:

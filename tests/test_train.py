@@ -117,6 +117,10 @@ def test_short_default_run_writes_everything(tmp_path, capsys):
 def test_dense_run_is_evaluated_under_snapkv_too_unless_asked_not_to(tmp_path):
     dense = train.run(compose_train(tmp_path / "a", *TINY_RUN, "algo=dense"))
     assert 0.0 <= dense["eval/evict/reward_after"] <= 1.0 and "last/evidence/kept" not in dense  # its sampler never evicts
-    off = train.run(compose_train(tmp_path / "b", *TINY_RUN, "algo=dense", "eval.evicting=false"))
+    off = train.run(compose_train(tmp_path / "b", *TINY_RUN, "algo=dense", "eval.evicting=false", "checkpoint.at_end=false"))
     assert not [k for k in off if k.startswith("eval/evict/")]
     assert off["eval/reward_after"] == dense["eval/reward_after"]  # the same training and dense evaluation
+    # the resumable state at the end: written by default, not with checkpoint.at_end=false (final/ either way)
+    ended = [p.name for p in (tmp_path / "a" / "run" / "checkpoints").iterdir()]
+    assert ended == ["step_000002"] and (tmp_path / "a" / "run" / "final" / "config.json").is_file()
+    assert not any((tmp_path / "b" / "run" / "checkpoints").glob("step_*")) and (tmp_path / "b" / "run" / "final" / "config.json").is_file()

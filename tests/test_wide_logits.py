@@ -78,3 +78,35 @@ def test_a_head_that_is_not_a_linear_layer_is_named():
     model.set_output_embeddings(torch.nn.Identity())
     with pytest.raises(TypeError, match="model.logits_dtype=float64: the LM head is a Identity"):
         models.set_logits_dtype(model, "float64")
+
+
+def test_widened_attention_sums_in_float64_and_returns_the_input_dtype():
+    """`kernels.widened`: causal and grouped attention against an eager float64 softmax(q k^T / sqrt(d)) v by hand."""
+    from smd_cli import kernels
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 9, 16) * 3 for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # 2 KV heads for 4 query heads
+    scale = 16 ** -0.5
+    kk, vv = k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1)
+    scores = (q.double() @ kk.transpose(-1, -2)) * scale
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    by_hand = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1) @ vv
+    with kernels.widened(torch.float64):
+        wide = kernels.causal(q, k, v, scale)
+        grouped = kernels.grouped(q, k, v, causal[None, None].expand(2, 2, 9, 9), scale)
+    narrow = kernels.causal(q, k, v, scale)
+    assert wide.dtype == grouped.dtype == torch.float32 and kernels.widening() is None
+    assert (wide.double() - by_hand).abs().max() < 1e-6 and (grouped.double() - by_hand).abs().max() < 1e-6  # float32 output rounding
+    # the float64 sum, rounded once, is nearer the exact one than float32's own
+    assert (wide.double() - by_hand).abs().max() <= (narrow.double() - by_hand).abs().max()
+
+
+def test_a_checkpoint_s_saved_attention_dtype_does_not_carry_over(tmp_path):
+    model = tiny()
+    models.set_attention_dtype(model, "float64")
+    model.save_pretrained(tmp_path)
+    assert '"smd_attention_dtype": "float64"' in (tmp_path / "config.json").read_text()
+    loaded = models.load_hub_model(str(tmp_path), "float32", False, random_init=False)
+    models.set_attention_dtype(loaded, None)  # what the loaders do for model.attention_dtype=null
+    assert not hasattr(loaded.config, "smd_attention_dtype")

@@ -153,6 +153,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
                              "check it before loading")) from None
     check_replayable(model, m.get("name"))
     models.set_logits_dtype(model, m.get("logits_dtype"))
+    models.set_attention_dtype(model, m.get("attention_dtype"))
     mark_weights(model, weights.Weights("local", str(path), "checkpoint dtype"))
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "

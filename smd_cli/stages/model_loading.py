@@ -186,6 +186,7 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     if m.gradient_checkpointing:
         models.enable_checkpointing(model)
     models.set_logits_dtype(model, m.get("logits_dtype"))
+    models.set_attention_dtype(model, m.get("attention_dtype"))
     return model.to(device).eval(), tokenizer
 
 

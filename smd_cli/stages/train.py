@@ -309,7 +309,7 @@ def run(cfg: DictConfig) -> dict:
         parity.judge(model, sample_step(cfg, cfg.steps, model, tokenizer, task, policy, pool, run_.device)[0])
     if stopped is None and not parity.broken:  # a collapsed policy's (or a broken learner's) weights are not published
         latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
-        if latest is None or latest.step != cfg.steps:
+        if cfg.checkpoint.get("at_end", True) and (latest is None or latest.step != cfg.steps):
             save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
         save_final(run_dir, model, tokenizer, root)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps,
