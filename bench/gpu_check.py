@@ -1,7 +1,8 @@
 """The paper-scale checks that need a GPU, as one prepared run (`bench/gpu_check.sh OUTDIR`). `--cpu` runs the very
 same checks on the CPU with the very same model configs, Qwen3-4B's (conf/model/qwen3_4b_random.yaml, vocabulary
-included) at one layer instead of four or 36, and fewer rows: that is how the suite tests this script, so the code
-the GPU run executes is the code its CPU test executes (`checks` builds both; a test compares them).
+included) at one layer instead of four or 36, and fewer rows (about two minutes on two cores: run it before a GPU
+session); `--cpu --narrow` runs them at narrow widths in seconds: that is how the suite tests this script, so the code
+the GPU run executes is the code its CPU test executes (`checks` builds all three; a test compares them).
 
 1. flex replay parity: the shadow replay through compiled `flex_attention` (the CUDA backend; the CPU's inductor
    compiles it too) against the SDPA replay, and both against the sampler's log-probs, on GRPO rows (each prompt
@@ -217,11 +218,16 @@ def offload(device, widths, dtype) -> dict:
             "bit_for_bit": same, "pinned": all(b.is_pinned() for b in moving.host.values()), "ok": same and freed >= 0.99 * moved}
 
 
-def checks(cpu: bool) -> dict[str, tuple]:
+NARROW = {"vocab_size": 16384, "hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 8, "num_key_value_heads": 2,
+          "head_dim": 64}  # `--narrow`: Qwen3-4B's config at these widths (grouped queries, tied embeddings, its RoPE kept)
+
+
+def checks(cpu: bool, narrow: bool = False) -> dict[str, tuple]:
     """name -> (function, keyword arguments) of each check: the GPU's, or `cpu`'s, which differ in depth, rows, widths
-    of the prompts and compute dtype (the CPU computes in float32, `model.cpu_dtype`), never in the model's widths."""
+    of the prompts and compute dtype (the CPU computes in float32, `model.cpu_dtype`), never in the model's widths;
+    `narrow` (CPU only): the same checks at `NARROW` widths, every line of this script in seconds (the suite's run)."""
     def model(layers: int) -> dict:
-        return {**qwen3_4b(), "num_hidden_layers": layers}
+        return {**qwen3_4b(), "num_hidden_layers": layers, **(NARROW if narrow else {})}
 
     if cpu:
         device, f32 = torch.device("cpu"), torch.float32
@@ -250,13 +256,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--cpu", action="store_true", help="the same checks on the CPU at one layer (tests this script without a GPU)")
+    parser.add_argument("--narrow", action="store_true", help="with --cpu: at narrow widths (NARROW), seconds instead of minutes")
     parser.add_argument("--only", nargs="*", help="run these checks only (names as in gpu_check.json)")
     args = parser.parse_args()
     if not args.cpu and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --cpu to check the script itself")
+    if args.narrow and not args.cpu:
+        sys.exit("--narrow is a CPU mode: use it with --cpu")
     if args.cpu:
         torch.set_num_threads(2)
-    planned = {name: check for name, check in checks(args.cpu).items() if not args.only or name in args.only}
+    planned = {name: check for name, check in checks(args.cpu, args.narrow).items() if not args.only or name in args.only}
     device = torch.device("cpu" if args.cpu else "cuda")
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "torch": torch.__version__}
     args.out.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,8 @@ def test_cpu_and_gpu_modes_build_the_same_models_apart_from_depth(tiny_tokenizer
         assert without_depth(cpu_args["widths"]) == without_depth(gpu_args["widths"]) == without_depth(qwen3_4b()), name
         assert cpu_args["widths"]["num_hidden_layers"] == 1 and gpu_args["widths"]["num_hidden_layers"] in (4, 36), name
         assert set(cpu_args) == set(gpu_args), name  # the same knobs, other values (rows, widths of the prompts, dtype)
+        narrow_fn, narrow_args = module.checks(cpu=True, narrow=True)[name]  # the suite's run: only the widths differ
+        assert narrow_fn is cpu_fn and narrow_args == {**cpu_args, "widths": {**cpu_args["widths"], **module.NARROW}}, name
     # the build the checks share, as load_model does it: the architecture's own vocabulary, not the tokenizer's (before,
     # `build_tiny_model(len(tokenizer), **widths)` raised "got multiple values for argument 'vocab_size'" at these widths)
     model = module.build(cpu["learner_phases"][1]["widths"], tiny_tokenizer, 0, torch.float32, torch.device("meta"))
@@ -50,11 +52,14 @@ def test_cpu_and_gpu_modes_build_the_same_models_apart_from_depth(tiny_tokenizer
 
 
 @pytest.mark.slow
-def test_gpu_check_runs_on_the_cpu_at_the_papers_widths(tmp_path):
-    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu", str(tmp_path)], capture_output=True, text=True, timeout=900)
+def test_gpu_check_runs_on_the_cpu(tmp_path):
+    """`bench/gpu_check.sh --cpu --narrow`: every check of the GPU run, end to end through the script, at narrow widths
+    (at one layer of Qwen3-4B's widths, `--cpu` alone, it takes two minutes: run before a GPU session, not here)."""
+    done = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--cpu", "--narrow", str(tmp_path)], capture_output=True, text=True,
+                          timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr[-5000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    one_layer = {**qwen3_4b(), "num_hidden_layers": 1}
+    one_layer = {**qwen3_4b(), "num_hidden_layers": 1, **gpu_check().NARROW}
     for name in ("flex_parity_float32", "flex_parity_bfloat16", "learner_phases", "decode_speed", "adamw8bit", "offload"):
         assert report[name]["ok"] and report[name]["model"] == one_layer, name
     flex = report["flex_parity_float32"]
@@ -70,5 +75,5 @@ def test_gpu_check_runs_on_the_cpu_at_the_papers_widths(tmp_path):
     assert phases["naive_sparse"]["mismatch_max_abs_diff"] > 100 * phases["smd"]["mismatch_max_abs_diff"]  # SMD's parity
     speed = report["decode_speed"]
     assert speed["dense_tokens_per_second"] > 0 and speed["snapkv_tokens_per_second"] > 0
-    assert speed["report"]["shape"]["vocab_size"] == 151936
+    assert speed["report"]["shape"]["vocab_size"] == gpu_check().NARROW["vocab_size"]
     assert "skipped" in report["adamw8bit"] and "skipped" in report["offload"]  # CUDA only
