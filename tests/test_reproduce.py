@@ -23,10 +23,11 @@ from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def members(recipe: str) -> list:
+def members(recipe: str, *ablate: str) -> list:
+    """The recipe's sweep members, composed; `ablate`: overrides of the sweep itself (ablate.subset=...)."""
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("ablate", overrides=[f"+recipe={recipe}"])
+        cfg = compose("ablate", overrides=[f"+recipe={recipe}", *ablate])
         return plan(cfg, [f"+recipe={recipe}"])[1]
 
 
@@ -42,8 +43,10 @@ def test_the_tables_recipes_share_their_common_runs():
     assert shared["selection"] == {f"eviction=snapkv,algo={a},seed={s}" for a in ("naive_sparse", "smd") for s in "012"}
     total = len({m.identity for group in (main_, comp, lam, sel) for m in group})
     assert total == 48 + (36 - 9) + (15 - 3) + (30 - 6)
-    paper = [distinct(members(r)) for r in ("paper_main_table", "paper_ablate_compression", "paper_ablate_lambda", "paper_ablate_selection")]
-    assert [len(p) for p in paper] == [4 * 8 * 3, 36, 15, 30]
+    # the paper scale's tables (their sizes: test_paper_scale_prints_its_plan_and_stops_without_a_gpu_or_the_hub), one seed
+    paper = [distinct(members(r, "ablate.subset=['seed=0']")) for r in ("paper_main_table", "paper_ablate_compression", "paper_ablate_lambda",
+                                                                        "paper_ablate_selection")]
+    assert [len(p) for p in paper] == [4 * 8, 12, 5, 10]
     assert all(m.name.startswith(("gsm8k_", "tldr_", "govreport_", "hotpotqa_")) for p in paper for m in p)
 
 
@@ -110,6 +113,9 @@ def test_paper_scale_prints_its_plan_and_stops_without_a_gpu_or_the_hub(tmp_path
     out = capsys.readouterr()
     text = " ".join((out.out + out.err).split())
     assert "smd reproduce, paper scale: what will run" in text and "159 distinct training runs, 159 to run" in text
+    for table, recipe, runs, shared in (("main", "paper_main_table", 4 * 8 * 3, 0), ("compression", "paper_ablate_compression", 36, 9),
+                                        ("lambda", "paper_ablate_lambda", 15, 3), ("selection", "paper_ablate_selection", 30, 6)):
+        assert f"│ {table} │ {recipe} │ {runs} │ {shared} │ 0 │ {runs - shared} │" in text, table  # runs, shared, finished, to run
     assert "make reproduce SCALE=paper stops here. It needs a CUDA GPU" in text
     assert ("the Hugging Face Hub's model Qwen/Qwen3-4B-Instruct-2507, dataset openai/gsm8k, dataset trl-lib/tldr, dataset "
             "ccdv/govreport-summarization, dataset hotpotqa/hotpot_qa: not in the local cache, and HF_HUB_OFFLINE=1 is set") in text
