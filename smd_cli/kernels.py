@@ -41,14 +41,16 @@ def widened(dtype: torch.dtype | None):
         _WIDE.reset(token)
 
 
-def widening() -> torch.dtype | None:
-    """The dtype `widened` set here, or None."""
-    return _WIDE.get()
+def widening(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype `causal` and `grouped` cast inputs of `dtype` to here, or None when they keep it: `widened` only
+    widens (a float64 model's attention stays float64 under `widened(torch.float32)`)."""
+    wide = _WIDE.get()
+    return None if wide is None or torch.promote_types(dtype, wide) == dtype else wide
 
 
 def _sdpa(query, key, value, **kwargs) -> torch.Tensor:
-    wide = _WIDE.get()
-    if wide is None or query.dtype == wide:
+    wide = widening(query.dtype)
+    if wide is None:
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
     return F.scaled_dot_product_attention(query.to(wide), key.to(wide), value.to(wide), **kwargs).to(query.dtype)
 

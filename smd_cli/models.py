@@ -190,7 +190,7 @@ class WideLogits(torch.nn.Linear):
     fixed: torch.Tensor | None = None  # the cast weight while `fixed_weights` holds
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        wide = self.logits_dtype
+        wide = torch.promote_types(self.logits_dtype, self.weight.dtype)  # only widens: a float64 copy stays float64
         fixed = self.fixed is not None and not torch.is_grad_enabled()
         weight = self.fixed if fixed else self.weight.to(wide)
         bias = None if self.bias is None else self.bias.to(wide)
@@ -205,7 +205,7 @@ def fixed_weights(model):
     if not isinstance(head, WideLogits) or type(head.weight.detach()) is not torch.Tensor:
         yield
         return
-    head.fixed = head.weight.detach().to(head.logits_dtype)
+    head.fixed = head.weight.detach().to(torch.promote_types(head.logits_dtype, head.weight.dtype))
     try:
         yield
     finally:
@@ -227,8 +227,8 @@ def set_logits_dtype(model, name: str | None) -> None:
     if name is None:
         return
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"model.logits_dtype={name}: the LM head is a {type(head).__name__}, not a Linear layer")
+    if type(head) not in (torch.nn.Linear, WideLogits):  # a subclass (LoRA, quantised, remote code) has its own forward
+        raise TypeError(f"model.logits_dtype={name}: the LM head is a {type(head).__name__}, not a plain Linear layer")
     head.__class__ = WideLogits  # the same module and parameters (state dict, ties, hooks), another forward
     head.logits_dtype = getattr(torch, name)
 

@@ -175,7 +175,7 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
     if shadow.key_columns is not None:
         mask = visibility(evict_layer, shadow.query_columns, shadow.key_columns[layer])  # [B, Hkv, q, S]
         return kernels.grouped(query, *shadow.read(layer, key, value, shadow.key_columns[layer]), mask, scaling)
-    if shadow.backend == "flex" and shadow.quant is None and kernels.widening() is None:  # flex has no wide mode
+    if shadow.backend == "flex" and shadow.quant is None and kernels.widening(query.dtype) is None:  # flex has no wide mode
         out = _flex(query, key, value, evict_layer, *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:
             return out
@@ -198,7 +198,7 @@ def replay_rows(layer: int, query, key, value, scaling: float, shadow: Replay) -
     flex: the block mask of the [R, T] grid, no mask materialised; sdpa: one layer's mask [B, Hkv, R, T] with the
     query groups folded (`kernels.grouped`). With the rollout's kv.quant, over the keys and values its cache held."""
     key, value = shadow.read(layer, key, value)
-    if shadow.backend == "flex" and kernels.widening() is None:
+    if shadow.backend == "flex" and kernels.widening(query.dtype) is None:
         out = _flex(query, key, value, shadow.evict_at[:, layer], *shadow.flex_mask(query.shape[2], key.shape[2]), scaling=scaling)
         if out is not None:
             return out

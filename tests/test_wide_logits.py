@@ -96,7 +96,7 @@ def test_widened_attention_sums_in_float64_and_returns_the_input_dtype():
         wide = kernels.causal(q, k, v, scale)
         grouped = kernels.grouped(q, k, v, causal[None, None].expand(2, 2, 9, 9), scale)
     narrow = kernels.causal(q, k, v, scale)
-    assert wide.dtype == grouped.dtype == torch.float32 and kernels.widening() is None
+    assert wide.dtype == grouped.dtype == torch.float32 and kernels.widening(torch.float32) is None
     assert (wide.double() - by_hand).abs().max() < 1e-6 and (grouped.double() - by_hand).abs().max() < 1e-6  # float32 output rounding
     # the float64 sum, rounded once, is nearer the exact one than float32's own
     assert (wide.double() - by_hand).abs().max() <= (narrow.double() - by_hand).abs().max()
@@ -110,3 +110,24 @@ def test_a_checkpoint_s_saved_attention_dtype_does_not_carry_over(tmp_path):
     loaded = models.load_hub_model(str(tmp_path), "float32", False, random_init=False)
     models.set_attention_dtype(loaded, None)  # what the loaders do for model.attention_dtype=null
     assert not hasattr(loaded.config, "smd_attention_dtype")
+
+
+def test_widening_never_narrows_and_is_refused_on_cuda(tmp_path):
+    """A float64 copy (the float64 replay) stays float64 under a float32 setting; float64 is a CPU setting."""
+    from omegaconf import OmegaConf
+
+    from smd_cli import kernels
+    from smd_cli.stages.checks import ConfigError
+    from smd_cli.stages.model_loading import set_precision
+
+    model = tiny("float32").double()
+    with torch.no_grad():
+        assert model.get_output_embeddings()(torch.randn(2, 64, dtype=torch.float64)).dtype == torch.float64
+    q = torch.randn(1, 2, 3, 8, dtype=torch.float64)
+    with kernels.widened(torch.float32):
+        assert kernels.widening(torch.float64) is None and kernels.causal(q, q, q, 0.3).dtype == torch.float64
+    cfg = OmegaConf.create({"model": {"logits_dtype": "float64", "attention_dtype": None}})
+    with pytest.raises(ConfigError, match="model.logits_dtype=float64 is a CPU setting"):
+        set_precision(cfg, tiny(), torch.device("cuda"))
+    set_precision(cfg, model := tiny(), torch.device("cpu"))
+    assert isinstance(model.get_output_embeddings(), models.WideLogits)

@@ -26,7 +26,7 @@ from smd_cli.io import write_json, write_jsonl
 from smd_cli.stages.checks import ConfigError, check
 from smd_cli.stages.console import console, print_metrics
 from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights, record_weights
+from smd_cli.stages.model_loading import check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights, record_weights, set_precision
 from smd_cli.stages.prompts import check_prompts, load_examples
 from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
@@ -152,8 +152,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
                           + ("" if signed else "; it has no MANIFEST.json (not written by smd train), so nothing could "
                              "check it before loading")) from None
     check_replayable(model, m.get("name"))
-    models.set_logits_dtype(model, m.get("logits_dtype"))
-    models.set_attention_dtype(model, m.get("attention_dtype"))
+    set_precision(cfg, model, device)
     mark_weights(model, weights.Weights("local", str(path), "checkpoint dtype"))
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "

@@ -185,9 +185,21 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
                           f"{len(tokenizer)} ids; set model.config.vocab_size or model.tokenizer")
     if m.gradient_checkpointing:
         models.enable_checkpointing(model)
+    set_precision(cfg, model, device)
+    return model.to(device).eval(), tokenizer
+
+
+def set_precision(cfg: DictConfig, model, device: torch.device) -> None:
+    """`model.logits_dtype` and `model.attention_dtype` on `model` (`models.set_logits_dtype`, `set_attention_dtype`):
+    CPU settings. On CUDA float64 would be neither planned (`smd plan` counts the compute dtype) nor compiled (flex
+    has no float64 mode), so it is refused there by name."""
+    m = cfg.model
+    wide = [key for key in ("logits_dtype", "attention_dtype") if m.get(key) == "float64"]
+    if wide and device.type == "cuda":
+        raise ConfigError(f"{', '.join(f'model.{k}=float64' for k in wide)} is a CPU setting (parity of a float32 model on the CPU): "
+                          f"on CUDA `smd plan` does not count it and the flex replay has no float64 mode; set {'/'.join(f'model.{k}' for k in wide)}=null")
     models.set_logits_dtype(model, m.get("logits_dtype"))
     models.set_attention_dtype(model, m.get("attention_dtype"))
-    return model.to(device).eval(), tokenizer
 
 
 def check_architecture(cfg: DictConfig, fields: dict, vocabulary: int) -> None:
