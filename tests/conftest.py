@@ -64,3 +64,9 @@ def shared_data():
     if not SHARED_DATA.is_dir():
         pytest.skip(f"reference data not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+def pytest_collection_modifyitems(items):
+    """The slow end-to-end runs first (a stable sort: each file's order kept): two workers then share them from the
+    start, and the longest never starts last with the other worker idle (`make test`'s --dist worksteal)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

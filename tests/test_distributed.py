@@ -17,6 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # every test launches `smd` processes under torchrun (17-41 s each on two cores)
+
 BIN = Path(sys.executable).parent
 SMALL = ["grpo.prompts_per_step=4", "grpo.num_generations=4", "task.prompt_tokens=48", "model.warmstart.steps=150",
          "eval.num_prompts=6", "eval.batch_size=4", "progress=false", "device=cpu"]
