@@ -115,17 +115,18 @@ def test_rollout_passkey_under_snapkv_reports_parity_mismatch_and_retention(real
 @pytest.mark.slow
 def test_check_parity_on_the_real_model_is_within_the_contract(real_model_cache, tmp_path):
     """`smd check-parity model=smollm2_135m` at the default bound 1e-5: the logits and the attention in float64
-    (conf/model/smollm2_135m.yaml) take float32's summation order out of parity; in float32 the same rows miss it."""
+    (conf/model/smollm2_135m.yaml) take float32's summation order out of parity; in float32 the same rows are further
+    off (up to 1.9e-5 on `policies=all`, README "Parity on a real model")."""
     from smd_cli.stages import check_parity
 
     small = ("task=passkey", "task.prompt_tokens=64", "num_prompts=2", "num_generations=2", "task.max_new_tokens=6", "parity.physical=false",
              "parity.float64=false")
-    report = check_parity.run(compose_stage("check_parity", real_model_cache, tmp_path / "wide", *small, "policies=[snapkv,none]"))
+    report = check_parity.run(compose_stage("check_parity", real_model_cache, tmp_path / "wide", *small, "policies=[snapkv]"))
     assert report["bound"] == 1e-5 and report["passed"]
-    assert all(r["views"]["shadow"]["max_abs_diff"] <= 2e-6 for r in report["policies"].values())
-    narrow = check_parity.run(compose_stage("check_parity", real_model_cache, tmp_path / "narrow", *small, "policies=[none]",
+    wide = report["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"]
+    narrow = check_parity.run(compose_stage("check_parity", real_model_cache, tmp_path / "narrow", *small, "policies=[snapkv]",
                                             "model.attention_dtype=null", "model.logits_dtype=null", "parity.bound=1"))
-    assert narrow["policies"]["none"]["views"]["shadow"]["max_abs_diff"] > 2e-6
+    assert wide <= 2e-6 < narrow["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"]
 
 
 @pytest.mark.slow
