@@ -189,8 +189,13 @@ class WideLogits(torch.nn.Linear):
     logits_dtype = torch.float64
     fixed: torch.Tensor | None = None  # the cast weight while `fixed_weights` holds
 
+    @property
+    def wide(self) -> torch.dtype:
+        """The dtype it computes in: `logits_dtype`, or the weight's when that is wider (a float64 copy stays float64)."""
+        return torch.promote_types(self.logits_dtype, self.weight.dtype)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        wide = torch.promote_types(self.logits_dtype, self.weight.dtype)  # only widens: a float64 copy stays float64
+        wide = self.wide
         fixed = self.fixed is not None and not torch.is_grad_enabled()
         weight = self.fixed if fixed else self.weight.to(wide)
         bias = None if self.bias is None else self.bias.to(wide)
@@ -205,7 +210,7 @@ def fixed_weights(model):
     if not isinstance(head, WideLogits) or type(head.weight.detach()) is not torch.Tensor:
         yield
         return
-    head.fixed = head.weight.detach().to(torch.promote_types(head.logits_dtype, head.weight.dtype))
+    head.fixed = head.weight.detach().to(head.wide)
     try:
         yield
     finally:

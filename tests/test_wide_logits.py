@@ -118,7 +118,7 @@ def test_widening_never_narrows_and_is_refused_on_cuda(tmp_path):
 
     from smd_cli import kernels
     from smd_cli.stages.checks import ConfigError
-    from smd_cli.stages.model_loading import set_precision
+    from smd_cli.stages.model_loading import check_precision, set_precision
 
     model = tiny("float32").double()
     with torch.no_grad():
@@ -128,6 +128,7 @@ def test_widening_never_narrows_and_is_refused_on_cuda(tmp_path):
         assert kernels.widening(torch.float64) is None and kernels.causal(q, q, q, 0.3).dtype == torch.float64
     cfg = OmegaConf.create({"model": {"logits_dtype": "float64", "attention_dtype": None}})
     with pytest.raises(ConfigError, match="model.logits_dtype=float64 is a CPU setting"):
-        set_precision(cfg, tiny(), torch.device("cuda"))
-    set_precision(cfg, model := tiny(), torch.device("cpu"))
+        check_precision(cfg, torch.device("cuda"))
+    check_precision(cfg, torch.device("cpu"))
+    set_precision(cfg, model := tiny())
     assert isinstance(model.get_output_embeddings(), models.WideLogits)

@@ -26,7 +26,8 @@ from smd_cli.io import write_json, write_jsonl
 from smd_cli.stages.checks import ConfigError, check
 from smd_cli.stages.console import console, print_metrics
 from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights, record_weights, set_precision
+from smd_cli.stages.model_loading import (check_precision, check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights,
+                                          record_weights, set_precision)
 from smd_cli.stages.prompts import check_prompts, load_examples
 from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
@@ -141,6 +142,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
     `name` is the model the checkpoint is (`checkpoint_model`). Weights that cannot be read (cut short, not
     safetensors) are a ConfigError naming the file."""
     m, path = cfg.model, checkpoint_dir(cfg.checkpoint)
+    check_precision(cfg, device)
     name = checkpoint_model(cfg, path)
     tokenizer = checkpoint_tokenizer(cfg, path)
     try:
@@ -152,7 +154,7 @@ def load_checkpoint(cfg: DictConfig, device: torch.device):
                           + ("" if signed else "; it has no MANIFEST.json (not written by smd train), so nothing could "
                              "check it before loading")) from None
     check_replayable(model, m.get("name"))
-    set_precision(cfg, model, device)
+    set_precision(cfg, model)
     mark_weights(model, weights.Weights("local", str(path), "checkpoint dtype"))
     if len(tokenizer) > model.config.vocab_size:
         raise ConfigError(f"checkpoint={str(cfg.checkpoint)!r}: vocabulary {model.config.vocab_size} is smaller than the "

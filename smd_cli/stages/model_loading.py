@@ -155,10 +155,10 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
     """(model, tokenizer) for `cfg.model`, in eval mode on `device`: a Hub checkpoint, an architecture with
     random weights (`name_or_path: null` builds it from `model.config` alone, offline: the tiny model, or
     Qwen3-4B's widths for `model=qwen3_4b_random`), the tiny one warm-started on a generated `task` (cached
-    under `cfg.cache_dir`). Every model gets the smd attention, its compute dtype (`compute_dtype`), its logits'
-    dtype (`model.logits_dtype`, `models.WideLogits`) and gradient checkpointing when `model.gradient_checkpointing`
-    is set."""
+    under `cfg.cache_dir`). Every model gets the smd attention, its compute dtype (`compute_dtype`), the dtypes of
+    its logits and attention (`set_precision`) and gradient checkpointing when `model.gradient_checkpointing` is set."""
     m = cfg.model
+    check_precision(cfg, device)
     name = compute_dtype(cfg, device)
     tokenizer = load_tokenizer(cfg)
     dtype = getattr(torch, name)
@@ -185,21 +185,24 @@ def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = Tru
                           f"{len(tokenizer)} ids; set model.config.vocab_size or model.tokenizer")
     if m.gradient_checkpointing:
         models.enable_checkpointing(model)
-    set_precision(cfg, model, device)
+    set_precision(cfg, model)
     return model.to(device).eval(), tokenizer
 
 
-def set_precision(cfg: DictConfig, model, device: torch.device) -> None:
-    """`model.logits_dtype` and `model.attention_dtype` on `model` (`models.set_logits_dtype`, `set_attention_dtype`):
-    CPU settings. On CUDA float64 would be neither planned (`smd plan` counts the compute dtype) nor compiled (flex
-    has no float64 mode), so it is refused there by name."""
-    m = cfg.model
-    wide = [key for key in ("logits_dtype", "attention_dtype") if m.get(key) == "float64"]
+def check_precision(cfg: DictConfig, device: torch.device) -> None:
+    """`model.logits_dtype` and `model.attention_dtype` are CPU settings: on CUDA float64 would be neither planned
+    (`smd plan` counts the compute dtype) nor compiled (flex has no float64 mode), so it is refused there by name,
+    before anything is loaded."""
+    wide = [key for key in ("logits_dtype", "attention_dtype") if cfg.model.get(key) == "float64"]
     if wide and device.type == "cuda":
         raise ConfigError(f"{', '.join(f'model.{k}=float64' for k in wide)} is a CPU setting (parity of a float32 model on the CPU): "
                           f"on CUDA `smd plan` does not count it and the flex replay has no float64 mode; set {'/'.join(f'model.{k}' for k in wide)}=null")
-    models.set_logits_dtype(model, m.get("logits_dtype"))
-    models.set_attention_dtype(model, m.get("attention_dtype"))
+
+
+def set_precision(cfg: DictConfig, model) -> None:
+    """`model.logits_dtype` and `model.attention_dtype` on `model` (`models.set_logits_dtype`, `set_attention_dtype`)."""
+    models.set_logits_dtype(model, cfg.model.get("logits_dtype"))
+    models.set_attention_dtype(model, cfg.model.get("attention_dtype"))
 
 
 def check_architecture(cfg: DictConfig, fields: dict, vocabulary: int) -> None:
