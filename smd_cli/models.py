@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from smd_cli import row_floor
 from smd_cli.attention import use_smd_attention
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -180,11 +181,11 @@ class WideLogits(torch.nn.Linear):
     elsewhere it is cast at every call (a fused optimizer updates weights without bumping their version, so no
     cache could tell a stale cast).
 
-    Why: the projection onto the vocabulary is the largest float32 reduction the log-probs go through. On
-    SmolLM2-135M (logits up to ~34 from hidden states of norm ~48) its rounding alone moved a token's log-prob by
-    up to 1.7e-5 between two orders of summation, more than DESIGN.md's 1e-5 parity between the sampler (one
-    row per decode step) and the learner (the whole response at once); in float64 on both sides what is left is
-    the backbone's own float32 rounding (results/real_model_cpu.md)."""
+    Why: the projection onto the vocabulary is the largest float32 reduction the log-probs go through (on
+    SmolLM2-135M its rounding moved a token's log-prob by up to 1.7e-5 between float32 and float64). Most of what that
+    did to parity was the sampler's few-row matmul running another kernel than the learner's, which `row_floor` now
+    removes for every layer (this one included), so SmolLM2's config leaves the head in float32; this remains for a
+    model whose logits need the wider sum (README, "Parity on a real model")."""
 
     logits_dtype = torch.float64
     fixed: torch.Tensor | None = None  # the cast weight while `fixed_weights` holds
@@ -199,7 +200,7 @@ class WideLogits(torch.nn.Linear):
         fixed = self.fixed is not None and not torch.is_grad_enabled()
         weight = self.fixed if fixed else self.weight.to(wide)
         bias = None if self.bias is None else self.bias.to(wide)
-        return torch.nn.functional.linear(hidden.to(wide), weight, bias)
+        return row_floor.linear(hidden.to(wide), weight, bias)
 
 
 @contextlib.contextmanager
@@ -232,7 +233,7 @@ def set_logits_dtype(model, name: str | None) -> None:
     if name is None:
         return
     head = model.get_output_embeddings()
-    if type(head) not in (torch.nn.Linear, WideLogits):  # a subclass (LoRA, quantised, remote code) has its own forward
+    if type(head) not in (torch.nn.Linear, row_floor.FlooredLinear, WideLogits):  # a subclass (LoRA, quantised, remote code) has its own forward
         raise TypeError(f"model.logits_dtype={name}: the LM head is a {type(head).__name__}, not a plain Linear layer")
     head.__class__ = WideLogits  # the same module and parameters (state dict, ties, hooks), another forward
     head.logits_dtype = getattr(torch, name)

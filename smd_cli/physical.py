@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from smd_cli import row_floor
 from smd_cli.attention import use_smd_attention
 from smd_cli.kv_quant import CacheReads
 from smd_cli.shadow import Replay, position_ids_from_mask
@@ -55,7 +56,7 @@ def physical_response_logits(model, input_ids, attention_mask, prompt_length: in
     columns = [torch.empty(rows, kv_heads, 0, dtype=torch.long, device=input_ids.device) for _ in range(layers)]
     bounds = chunk_bounds(evict_at, prompt_length, width)
     pieces = []
-    use_smd_attention(model)
+    use_smd_attention(row_floor.apply(model))
     for start, stop in zip(bounds[:-1], bounds[1:]):
         query_columns = torch.arange(start, stop, device=input_ids.device)
         key_columns = [torch.cat([c, query_columns.expand(rows, kv_heads, -1)], dim=-1) for c in columns]

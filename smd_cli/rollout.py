@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from smd_cli import row_floor
 from smd_cli.cache import EvictingCache, KVMeter, kv_bytes
 from smd_cli.cuda_graphs import DecodeGraphs
 from smd_cli.eviction.base import EvictionPolicy
@@ -430,7 +431,7 @@ def generate(
             raise ValueError(f"noise has shape {tuple(noise.shape)}; expected [{len(prompts)}, >= {max_new_tokens}] (rows, new tokens)")
         noise = noise.to(device)
     bar, task = _progress(progress, max_new_tokens)
-    use_smd_attention(model)
+    use_smd_attention(row_floor.apply(model))
     with bar, fixed_weights(model):
         for step in range(max_new_tokens):
             uniforms = None if noise is None else noise[:, step]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from smd_cli import sampling
+from smd_cli import row_floor, sampling
 from smd_cli.attention import PromptTap, use_smd_attention
 from smd_cli.distributed import layer_pass
 from smd_cli.kv_quant import CacheReads
@@ -58,7 +58,7 @@ def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_
     response_width = input_ids.shape[1] - prompt_length
     if response_width < 1:
         raise ValueError(f"no response columns: input width {input_ids.shape[1]}, prompt_length {prompt_length}")
-    use_smd_attention(model)
+    use_smd_attention(row_floor.apply(model))
     if evict_at is not None:
         check_evict_at(evict_at, input_ids, attention_mask, prompt_length)
     groups = prompt_groups(input_ids, attention_mask, prompt_length) if _decoder_layout(model) else None
@@ -88,7 +88,7 @@ def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: i
         with torch.no_grad():
             teacher = response_hidden(model, input_ids, attention_mask, P, None, backend)
         return response_hidden(model, input_ids, attention_mask, P, evict_at, backend, quant), teacher
-    use_smd_attention(model)
+    use_smd_attention(row_floor.apply(model))
     check_evict_at(evict_at, input_ids, attention_mask, P)
     groups = prompt_groups(input_ids, attention_mask, P)
     if groups is not None:

@@ -114,9 +114,10 @@ def test_rollout_passkey_under_snapkv_reports_parity_mismatch_and_retention(real
 
 @pytest.mark.slow
 def test_check_parity_on_the_real_model_is_within_the_contract(real_model_cache, tmp_path):
-    """`smd check-parity model=smollm2_135m` at the default bound 1e-5: the logits and the attention in float64
-    (conf/model/smollm2_135m.yaml) take float32's summation order out of parity; in float32 the same rows are further
-    off (up to 1.9e-5 on `policies=all`, README "Parity on a real model")."""
+    """`smd check-parity model=smollm2_135m` at the default bound 1e-5, on 4 rows: the sampler's decode matmuls on the
+    learner's kernels (`smd_cli/row_floor.py`; without it the float64 head and attention of the last config still
+    missed by 1.8e-6 here) and the attention summed in float64 (conf/model/smollm2_135m.yaml); in float32 the
+    attention's other summation order misses by 2.5e-6 (README "Parity on a real model")."""
     from smd_cli.stages import check_parity
 
     small = ("task=passkey", "task.prompt_tokens=64", "num_prompts=2", "num_generations=2", "task.max_new_tokens=6", "parity.physical=false",
@@ -125,8 +126,8 @@ def test_check_parity_on_the_real_model_is_within_the_contract(real_model_cache,
     assert report["bound"] == 1e-5 and report["passed"]
     wide = report["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"]
     narrow = check_parity.run(compose_stage("check_parity", real_model_cache, tmp_path / "narrow", *small, "policies=[snapkv]",
-                                            "model.attention_dtype=null", "model.logits_dtype=null", "parity.bound=1"))
-    assert wide <= 2e-6 < narrow["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"]
+                                            "model.attention_dtype=null", "parity.bound=1"))
+    assert wide <= 5e-7 < narrow["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"]
 
 
 @pytest.mark.slow
@@ -136,7 +137,7 @@ def test_two_smd_steps_on_the_real_model(real_model_cache, tmp_path):
                                       "checkpoint.every=0", "checkpoint.at_end=false"))
     assert summary["status"] == "completed" and "Q4_1-dequantised" in summary["model/weights"]
     steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 2 and max(s["mismatch/max_abs_diff"] for s in steps) <= 1e-5  # SMD: the learner is the sampler (contract 1)
+    assert len(steps) == 2 and max(s["mismatch/max_abs_diff"] for s in steps) <= 5e-7  # SMD: the learner is the sampler (contract 1)
     assert all(s["grad_norm"] > 0 for s in steps if "grad_norm" in s)
     saved = json.loads((tmp_path / "final" / "config.json").read_text())
     assert saved["smd_weights"]["source"] == "gguf"  # the checkpoint says which weights it was trained from

@@ -1,0 +1,65 @@
+"""Few-row matmuls on the CPU on the kernel of many-row ones: a floor on the rows of every linear layer.
+
+A decode step multiplies a few rows (one token per sequence) by each weight, and so do the learner's response rows of
+a small group; the learner's replay multiplies whole sequences. On the CPU, MKL picks its GEMM kernel by the number of
+rows, and the kernels sum in different orders: a row's float32 result is the same in any batch of at least 16 rows and
+another one below that (torch 2.13, 1 and 2 threads, all four of SmolLM2's weight shapes). SmolLM2 decoding 8 rows
+(2 prompts x 4 samples, `scale=small`) therefore missed the learner's log-probs by up to 3.2e-5 through its 30 layers.
+`apply(model)` makes each plain `nn.Linear` a `FlooredLinear`: on the CPU, an input of fewer rows than the floor of its
+weight's shape and dtype (`floor_of`: the smallest batch that rounds each row as a large one does, found once, bit for
+bit, on this machine) is padded with zero rows and the padding dropped after. The rows a layer returns then do not
+depend on how many rows it was given, in the sampler and the learner alike. Other devices: `F.linear` as it is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CANDIDATES = (1, 2, 4, 8, 16, 32)  # row floors tried, smallest first
+REFERENCE_ROWS = 64  # the batch whose rows every floor must reproduce (the learner's batches are larger)
+_FLOORS: dict[tuple, int] = {}
+
+
+def floor_of(weight: torch.Tensor) -> int:
+    """The smallest batch (rows) from which `F.linear` rounds each row as it does in a large batch, for this
+    weight's shape and dtype on this machine; 1 when every batch does, or when no candidate up to 32 does."""
+    key = (tuple(weight.shape), weight.dtype, weight.device.type, torch.get_num_threads())
+    if key not in _FLOORS:
+        x = torch.randn(REFERENCE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight)
+        with torch.no_grad():
+            w = weight.detach()  # the layer's own weight: no copy of a large head
+            large = F.linear(x, w)
+            same = lambda rows: torch.equal(F.linear(x[:rows], w), large[:rows])  # noqa: E731
+            _FLOORS[key] = next((c for c in CANDIDATES if same(c) and same(c + 1)), 1)
+    return _FLOORS[key]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, its rows computed as in a batch of at least `floor_of(weight)` rows (CPU)."""
+    rows = x.numel() // x.shape[-1]
+    if rows >= CANDIDATES[-1] or x.device.type != "cpu" or rows == 0:
+        return F.linear(x, weight, bias)
+    floor = floor_of(weight)
+    if rows >= floor:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    flat = torch.cat([flat, flat.new_zeros(floor - rows, x.shape[-1])])
+    return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
+class FlooredLinear(torch.nn.Linear):
+    """An `nn.Linear` whose few-row inputs on the CPU run on the many-row kernel (`linear`); the same parameters,
+    state dict and checkpoints (the class is swapped in place)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def apply(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every plain `nn.Linear` of `model` a `FlooredLinear` (idempotent; subclasses such as a `WideLogits` head,
+    LoRA or quantised layers keep their own forward); returns the model."""
+    for layer in model.modules():
+        if type(layer) is torch.nn.Linear:
+            layer.__class__ = FlooredLinear
+    return model
