@@ -15,15 +15,15 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from smd_cli.integrity import write_file
 
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "rouge-score", "rich", "safetensors", "smd")
 
 
-def seed_everything(seed: int) -> torch.Generator:
+def seed_everything(seed: int):
     """Seed Python and torch globally (for model init) and return a generator for sampling."""
+    import torch  # here, so that the stages that only launch or read runs (smd ablate, its workers) never import it
+
     random.seed(seed)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
@@ -46,6 +46,8 @@ def package_versions() -> dict[str, str]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
+    import torch
+
     versions["cuda"] = torch.version.cuda or "none"
     return versions
 
@@ -65,7 +67,8 @@ def plain(x: Any) -> Any:
         return {k if isinstance(k, str) else str(k): plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [plain(v) for v in x]
-    if isinstance(x, torch.Tensor):
+    torch = sys.modules.get("torch")  # no tensor exists before torch is imported
+    if torch is not None and isinstance(x, torch.Tensor):
         return plain(x.item() if x.numel() == 1 else x.tolist())
     if isinstance(x, float):
         return x if math.isfinite(x) else None

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
-KINDS = ("none", "int8", "fp8_e4m3")
+from smd_cli.options import KV_KINDS
+
+KINDS = KV_KINDS
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 NUDGE = 2.0 ** -5  # of a code's spacing: far above float32 rounding of x / scale (~1e-4 of a spacing), far below 1/2

@@ -46,11 +46,11 @@ from smd_cli.corrections.sparse_rl import SparseRL
 from smd_cli.corrections.tis import TIS
 from smd_cli.corrections.trm import TRM
 from smd_cli.distributed import LearnerPass
+from smd_cli.options import VIEWS
 from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats
 from smd_cli.rollout import RolloutBatch
 from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden, vocab_terms
 
-VIEWS = ("dense", "shadow")  # the attention the learner scores under: full context, or the rollout's shadow mask
 # The compositions of conf/algo/NAME.yaml (view, correction, distill), for callers that name a built-in algorithm
 # (tests, benchmarks); the stage builds its algorithm from the YAML itself. Tested equal to the YAML files.
 BUILT_IN = {

@@ -36,8 +36,9 @@ from typing import NamedTuple
 
 import torch
 
+from smd_cli.options import MAX_SUPPORT
+
 OUTSIDE = -1.0e30  # the logit given to tokens outside the support: exp() takes it to 0, no product turns NaN
-MAX_SUPPORT = 512  # most tokens a step's recorded support holds (prime-rl caps top_k at 512)
 
 
 def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:

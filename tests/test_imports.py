@@ -35,3 +35,15 @@ def test_stages_do_not_import_each_other():
     for name in stages - STAGE_HELPERS:
         used = {m.split(".")[2] for m in imports(PACKAGE / "stages" / f"{name}.py") if m.startswith("smd_cli.stages.")}
         assert used <= STAGE_HELPERS, f"stages/{name}.py imports stages {sorted(used - STAGE_HELPERS)}"
+
+
+def test_a_sweeps_launcher_workers_never_import_torch():
+    """A joblib worker of `smd ablate` runs `sweep.run_member`, which starts each member as an `smd train` process: it
+    checks configs and files only, so it imports neither torch nor transformers (seconds and hundreds of MB each)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, smd_cli.stages.sweep, smd_cli.sweep_tables, smd_cli.stages.rules;"
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    assert done.stdout.strip() == "[]"

@@ -24,9 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from smd_cli.kv_quant import KINDS as KV_KINDS
-from smd_cli.learner import VIEWS
-from smd_cli.sampling import MAX_SUPPORT
+from smd_cli.options import KV_KINDS, MAX_SUPPORT, VIEWS
 from smd_cli.stages.checks import DTYPES, ROOT, ConfigError
 
 
