@@ -116,6 +116,21 @@ def test_members_are_named_by_what_they_run_and_composed_once(tmp_path):
     assert names[2].startswith("needle_smd_snapkv_c0.5_lam0.3_seed0_") and names[0][-8:] == runs[0].identity[:8]
 
 
+def test_members_compose_as_hydra_composes_each_one_alone():
+    """`plan` composes once per combination of swept groups and sets swept values on copies; each member's config, hence
+    its identity and directory, must be what a compose of its whole command line gives (the reference here), including
+    fixed values, an interpolated key and a group default that a swept value overrides (sparse_rl sets grpo.beta)."""
+    fixed = ["task=needle", "steps=3", "task.max_new_tokens=5"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("ablate", overrides=["ablate.command_line=['algo=sparse_rl,smd','grpo.beta=0,0.01','seed=0,1','compression=0.3,adaptive']"])
+        _, members = sweep.plan(cfg, fixed)
+        for m in members:
+            alone = compose("train", overrides=m.overrides, return_hydra_config=True)
+            assert m.identity == sweep.config_identity(alone), m.label
+            assert alone.sampling.max_new_tokens == 5
+    assert len(members) == 16 and len({m.identity for m in members}) == 16
+
+
 def test_failed_runs_are_reported_not_plotted_and_exit_1(fake_train, capfd):
     code = ablate(fake_train, "lambda=0.1,0.5,0.7,0.9", "ablate.metrics=[eval/reward_before,eval/reward_after]")
     assert code == 1

@@ -17,6 +17,7 @@ runs directory run a shared member once (the second waits, saying for whom, then
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import itertools
 import json
@@ -121,13 +122,13 @@ def plan(cfg: DictConfig, base: list[str]) -> tuple[list[tuple[str, list[str]]],
     """The sweep of an ablate config `cfg` given with the command line's fixed overrides `base`, and its members,
     one per combination of the swept values, every one's train config composed (a mistake is a ConfigError
     naming the member) and named."""
-    sweep = sweep_of(cfg, base)
-    swept = {key for key, _ in sweep}
-    fixed = [o for o in base if o.partition("=")[0] not in swept]
-    combos = itertools.product(*[[(key, v) for v in values] for key, values in sweep])
+    sweep = dict(sweep_of(cfg, base))
+    fixed = [o for o in base if o.partition("=")[0] not in sweep]
+    combos = itertools.product(*[[(key, v) for v in values] for key, values in sweep.items()])
     with _compose_context():
-        members = [_member(combo, [*fixed, *(f"{k}={v}" for k, v in combo)]) for combo in combos]
-    return sweep, members
+        composer = _Composer(fixed, sweep)
+        members = [_member(combo, [*fixed, *(f"{k}={v}" for k, v in combo)], lambda c=combo: composer(c)) for combo in combos]
+    return list(sweep.items()), members
 
 
 def distinct(members: list[Member]) -> list[Member]:
@@ -139,12 +140,38 @@ def distinct(members: list[Member]) -> list[Member]:
     return list(first.values())
 
 
-def _member(combo: tuple, overrides: list[str]) -> Member:
-    from hydra import compose
+class _Composer:
+    """The train config of each combination of a sweep, composed as Hydra composes it, once per combination of the
+    swept config groups (algo, eviction, task, ...): Hydra composes the defaults of the groups, then sets each plain
+    `KEY=value` override on the result (`ConfigLoaderImpl._apply_overrides_to_config`), which is what is done here to
+    a copy of the composed groups for the swept values (seed, lambda, compression, ...). A sweep over 8 seeds composes
+    once instead of 8 times (~0.1 s each)."""
 
+    def __init__(self, fixed: list[str], sweep: dict[str, list[str]]):
+        from hydra.core.global_hydra import GlobalHydra
+
+        repository = GlobalHydra.instance().config_loader().repository
+        self.fixed, self.cache = fixed, {}
+        self.values = {k for k in sweep if re.fullmatch(r"[A-Za-z_][\w.]*", k) and not repository.group_exists(k)}
+
+    def __call__(self, combo: tuple) -> DictConfig:
+        from hydra import compose
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        groups = tuple(f"{k}={v}" for k, v in combo if k not in self.values)
+        if groups not in self.cache:
+            self.cache[groups] = compose(config_name="train", overrides=[*self.fixed, *groups], return_hydra_config=True)
+        cfg = copy.deepcopy(self.cache[groups])
+        values = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in combo if k in self.values])
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+
+def _member(combo: tuple, overrides: list[str], composed) -> Member:
     label = ",".join(f"{k}={v}" for k, v in combo)
     try:
-        cfg = compose(config_name="train", overrides=overrides, return_hydra_config=True)
+        cfg = composed()
     except Exception as err:  # Hydra's override and composition errors
         raise ConfigError(f"ablate run {label}: {one_line(err)}") from None
     try:  # every value of the member, by the rules `smd train` applies (a swept `lambda=abc` is named here)
