@@ -223,3 +223,22 @@ def test_a_falling_partial_credit_reward_is_a_collapse_at_the_end(tmp_path, cach
                                             "over the last 3 steps; token entropy")
     err = " ".join(capsys.readouterr().err.split())
     assert err.startswith("training collapsed: the policy collapsed at step 4 (found at the end of the run at step 8)")
+
+
+def test_non_finite_weights_after_a_step_stop_the_run_as_diverged():
+    """The guard's weight check, one NaN or one infinity in any tensor (and none in a finite model)."""
+    import torch
+
+    from smd_cli.stages.train_state import CollapseGuard, TrainingDiverged
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
+    guard = CollapseGuard(window=3)
+    guard.check_weights(1, model)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with torch.no_grad():
+            model[1].bias[2] = bad
+        with pytest.raises(TrainingDiverged, match="non-finite after the optimizer step"):
+            guard.check_weights(4, model)
+        assert guard.last_good == 3
+        with torch.no_grad():
+            model[1].bias[2] = 0.0

@@ -144,7 +144,8 @@ class CollapseGuard:
 
     def check_weights(self, step: int, model) -> None:
         """TrainingDiverged (every rank at once) when step `step` (1-based) left non-finite weights."""
-        finite = bool(torch.stack([torch.isfinite(distributed.local(p)).all() for p in model.parameters()]).all())
+        largest = torch._foreach_norm([distributed.local(p) for p in model.parameters()], float("inf"))  # one read-only pass; NaN and
+        finite = bool(torch.isfinite(torch.stack(largest)).all())  # inf propagate (isfinite per tensor: a bool copy of each, ~2x slower)
         if distributed.total(float(not finite)):
             self.last_good = step - 1
             raise TrainingDiverged("the weights are non-finite after the optimizer step")
