@@ -21,6 +21,8 @@ are the dequantised Q4_1 model's, not the original bf16 checkpoint's; `Weights.l
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -148,7 +150,7 @@ def dequantised(gguf_path: Path, repo_id: str, quantisation: str, root: Path, pr
         removed = integrity.clean_temporaries(path.parent, path.name)
         if removed:
             _say(progress, f"weights: removed {len(removed)} temporary folder(s) a killed build left: {', '.join(p.name for p in removed)}")
-        _say(progress, f"weights: dequantising {gguf_path.name} to float32 once (about a minute), cached at {path}")
+        _say(progress, f"weights: dequantising {gguf_path.name} to float32 once (about 15 s), cached at {path}")
         record = Weights("gguf", repo_id, f"{quantisation}-dequantised to float32 (GGUF {gguf_path.name})", digest)
 
         def write(tmp: Path) -> None:
@@ -170,8 +172,9 @@ def _write_dequantised(gguf_path: Path, out: Path) -> None:
     hf_logging.disable_progress_bar()
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _parsed_once():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except ImportError as err:
         raise WeightsUnavailable(f"reading {name} needs the `gguf` package ({err}); make install-small installs it") from err
     fields = loaded.config.to_dict()
@@ -190,6 +193,22 @@ def _write_dequantised(gguf_path: Path, out: Path) -> None:
     if "quantization_config" in saved:
         del saved["quantization_config"]
         integrity.write_file(out / "config.json", to_json(saved, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def _parsed_once():
+    """transformers reads a GGUF file three times (tokenizer, config, weights), each a full parse of its metadata
+    (SmolLM2's 49k-token vocabulary and merges: seconds each), and rebuilds `gguf`'s tensor-name map for each of the
+    model's modules (~400 times). Within, each is built once: both are read-only and keyed by their arguments (the
+    file's path; the architecture and its number of blocks). The weights come out bit for bit the same."""
+    import gguf
+
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader, gguf.get_tensor_name_map = functools.lru_cache(maxsize=2)(reader), functools.lru_cache(maxsize=8)(names)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
 
 
 def _say(enabled: bool, text: str) -> None:
