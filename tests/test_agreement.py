@@ -1,8 +1,10 @@
 """Issue 29: the per-token agreement between the sampler's distribution and the dense policy's (`smd_cli.agreement`),
 and `compression=adaptive` (`smd_cli.adaptive`), which holds its 5th percentile at a target."""
 
+import importlib.util
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -205,9 +207,6 @@ def test_the_reports_training_curves_plot_the_agreements_tail(tmp_path, monkeypa
 def test_bench_agreement_small_runs_quick_on_the_tiny_model(tmp_path, capsys):
     """bench/agreement_small.py --quick: the dense row agrees at 1, every evicting cell has percentiles in order, and the
     markdown table and JSON are written (the SmolLM2 sweep itself is issue 29 item 2's, run by hand)."""
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.spec_from_file_location("agreement_small", Path(__file__).resolve().parents[1] / "bench" / "agreement_small.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
@@ -239,3 +238,34 @@ def test_smds_free_agreement_is_the_extra_passes(tiny_model, tiny_tokenizer):
         extra = agreement.summary(values)
         assert {k: free[k] for k in extra} == pytest.approx(extra, abs=1e-5)
     assert free["agreement/mean"] < 1 - 1e-4  # the eviction is felt
+
+
+def test_bench_adaptive_frontier_reads_a_sweep_and_finds_what_dominates(tmp_path):
+    """bench/adaptive_frontier.py on a sweep's runs written by hand: cell means and standard errors over seeds, the
+    adaptive cell dominated by a fixed one that keeps less KV and ends higher, the paired difference, the plot."""
+    spec = importlib.util.spec_from_file_location("adaptive_frontier", Path(__file__).resolve().parents[1] / "bench" / "adaptive_frontier.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    cells = {("adaptive", 0): (0.70, 0.80), ("adaptive", 1): (0.72, 0.60), ("0.3", 0): (0.714, 0.90), ("0.3", 1): (0.714, 0.70),
+             ("0.5", 0): (0.525, 0.50), ("0.5", 1): (0.525, 0.40)}
+    for (c, seed), (kept, reward) in cells.items():
+        run = tmp_path / f"smd_c{c}_seed{seed}"
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps({"algo": {"name": "smd"}, "compression": c if c == "adaptive" else float(c), "seed": seed}))
+        (run / "summary.json").write_text(json.dumps({"status": "completed", "train/kv/kept_fraction_mean": kept, "train/compression_mean": 0.3,
+                                                      "train/agreement/p5_mean": 0.5, "eval/evict/reward_after": reward,
+                                                      "eval/reward_after": 1.0, "eval/evict/reward_before": 0.5}))
+    rows = bench.load(tmp_path)
+    table = {c["compression"]: c for c in bench.cells(rows)}
+    assert table["adaptive"]["kv kept"] == pytest.approx(0.71) and table["adaptive"]["held-out, own cache"] == pytest.approx(0.70)
+    assert table["adaptive"]["held-out, own cache se"] == pytest.approx(0.1)  # sd 0.1414 / sqrt(2)
+    assert table["adaptive"]["dominated by"] == "-" and table["0.3"]["dominated by"] == "-"
+    assert table["0.5"]["dominated by"] == "-"  # keeps the least KV: nothing fixed keeps less
+    assert bench.paired(rows, "smd", "adaptive", "0.3", "held-out, own cache") == pytest.approx((-0.10, 0.0, 2))
+    (tmp_path / "smd_c0.3_seed0" / "summary.json").write_text(json.dumps({"status": "completed", "train/kv/kept_fraction_mean": 0.60,
+        "train/compression_mean": 0.3, "train/agreement/p5_mean": 0.5, "eval/evict/reward_after": 0.90, "eval/reward_after": 1.0,
+        "eval/evict/reward_before": 0.5}))
+    table = {c["compression"]: c for c in bench.cells(bench.load(tmp_path))}
+    assert table["0.3"]["kv kept"] == pytest.approx(0.657) and table["adaptive"]["dominated by"] == "0.3"
+    bench.plot(list(table.values()), tmp_path / "frontier.png")
+    assert (tmp_path / "frontier.png").stat().st_size > 10_000
