@@ -5,7 +5,7 @@ RUNS_DIR holds the member runs of
   smd ablate scale=small algo=smd,naive_sparse compression=adaptive,0.3,0.5,0.7 seed=0,1,2 hydra/launcher=joblib hydra.launcher.n_jobs=2
 (each with config.json and summary.json). Per algorithm and compression, over the seeds: the KV the rollouts kept
 (the mean over steps of `kv/kept_fraction`: memory), the compression the run chose (adaptive) or was given, the 5th
-percentile of per-token agreement (mean over steps), and the held-out reward after training, under the run's own
+percentile and the mean of per-token agreement (means over steps), and the held-out reward after training, under the run's own
 evicting cache and with a dense cache (greedy, 16 prompts). A cell is dominated when a fixed cell of the same
 algorithm keeps no more KV and ends at least as high under its own cache.
 """
@@ -20,7 +20,7 @@ import statistics
 from pathlib import Path
 
 FIELDS = {"kv kept": "train/kv/kept_fraction_mean", "compression chosen": "train/compression_mean",
-          "agreement p5": "train/agreement/p5_mean", "held-out, own cache": "eval/evict/reward_after",
+          "agreement p5": "train/agreement/p5_mean", "agreement mean": "train/agreement/mean_mean", "held-out, own cache": "eval/evict/reward_after",
           "held-out, dense cache": "eval/reward_after", "before, own cache": "eval/evict/reward_before"}
 
 

@@ -253,7 +253,7 @@ def test_bench_adaptive_frontier_reads_a_sweep_and_finds_what_dominates(tmp_path
         run.mkdir()
         (run / "config.json").write_text(json.dumps({"algo": {"name": "smd"}, "compression": c if c == "adaptive" else float(c), "seed": seed}))
         (run / "summary.json").write_text(json.dumps({"status": "completed", "train/kv/kept_fraction_mean": kept, "train/compression_mean": 0.3,
-                                                      "train/agreement/p5_mean": 0.5, "eval/evict/reward_after": reward,
+                                                      "train/agreement/p5_mean": 0.5, "train/agreement/mean_mean": 0.9, "eval/evict/reward_after": reward,
                                                       "eval/reward_after": 1.0, "eval/evict/reward_before": 0.5}))
     rows = bench.load(tmp_path)
     table = {c["compression"]: c for c in bench.cells(rows)}
@@ -263,7 +263,7 @@ def test_bench_adaptive_frontier_reads_a_sweep_and_finds_what_dominates(tmp_path
     assert table["0.5"]["dominated by"] == "-"  # keeps the least KV: nothing fixed keeps less
     assert bench.paired(rows, "smd", "adaptive", "0.3", "held-out, own cache") == pytest.approx((-0.10, 0.0, 2))
     (tmp_path / "smd_c0.3_seed0" / "summary.json").write_text(json.dumps({"status": "completed", "train/kv/kept_fraction_mean": 0.60,
-        "train/compression_mean": 0.3, "train/agreement/p5_mean": 0.5, "eval/evict/reward_after": 0.90, "eval/reward_after": 1.0,
+        "train/compression_mean": 0.3, "train/agreement/p5_mean": 0.5, "train/agreement/mean_mean": 0.9, "eval/evict/reward_after": 0.90, "eval/reward_after": 1.0,
         "eval/evict/reward_before": 0.5}))
     table = {c["compression"]: c for c in bench.cells(bench.load(tmp_path))}
     assert table["0.3"]["kv kept"] == pytest.approx(0.657) and table["adaptive"]["dominated by"] == "0.3"
