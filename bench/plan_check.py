@@ -38,6 +38,7 @@ SMALL = [
     (2, 256, 32, 4, dict(hidden=256, intermediate=1024, heads=8, kv_heads=2, head_dim=32, vocab=8192)),
     (2, 512, 16, 2, dict(hidden=512, intermediate=2048, heads=8, kv_heads=2, head_dim=64, vocab=4096)),
     (1, 128, 64, 4, dict(hidden=256, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=32768)),
+    (1, 128, 64, 1, dict(hidden=256, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=32768)),  # one row: the CPU's padded head
 ]
 PAPER_SIZES = [(2, 1024, 64, 4, PAPER)]
 WINDOW, SINK = 16, 4

@@ -92,7 +92,7 @@ def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.
         config = tiny_config(vocab_size=vocab_size, **overrides)
         model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = 0
-    return use_smd_attention(model)
+    return use_smd_attention(row_floor.apply(model))
 
 
 def hub_config(name_or_path: str, trust_remote_code: bool, config_overrides: dict | None = None):
@@ -110,7 +110,7 @@ def load_hub_model(name_or_path: str, dtype: str, trust_remote_code: bool, rando
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, use_safetensors=True, dtype=torch_dtype, attn_implementation="sdpa",
                                                      trust_remote_code=trust_remote_code, **dict(config_overrides or {}))
-    return use_smd_attention(model)
+    return use_smd_attention(row_floor.apply(model))
 
 
 DECODER_LAYOUT = ("embed_tokens", "layers", "norm", "rotary_emb")  # what smd_cli.scoring runs layer by layer

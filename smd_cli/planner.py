@@ -41,6 +41,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+CPU_ROW_FLOOR = 16  # rows a CPU matmul is padded to (`row_floor.floor_of` on MKL, torch 2.13): a decode step's head output
+
 
 @dataclass(frozen=True)
 class Arch:
@@ -196,6 +198,8 @@ def rollout_terms(run: Run) -> dict[str, float]:
     # the last position's logits, and sampling's float32 copies (scaled, log_softmax, probabilities) and float64 CDF:
     # 24 bytes per logit measured above float32 logits, 28 above bf16 ones
     logits = rows * a.vocab * (b + 24.0 + (4.0 if b < 4 else 0.0))
+    if run.device == "cpu" and rows < CPU_ROW_FLOOR:  # the head's output padded to the floor's rows, then the rows' copy
+        logits = max(logits, (CPU_ROW_FLOOR + rows) * a.vocab * b)
     done = shadow_mask_bytes(run, run.rows - rows)  # chunks decoded before this one wait for the learner
     recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
     gathered = float(b * a.params) if run.gpus > 1 else 0.0  # FSDP2: every weight unsharded while decoding

@@ -45,7 +45,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     flat = torch.cat([flat, flat.new_zeros(floor - rows, x.shape[-1])])
-    return F.linear(flat, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+    # a copy of the rows asked for, so that the padded output (a [floor, V] logits buffer for a head) is freed at once
+    return F.linear(flat, weight, bias)[:rows].clone().reshape(*x.shape[:-1], weight.shape[0])
 
 
 class FlooredLinear(torch.nn.Linear):
@@ -58,8 +59,11 @@ class FlooredLinear(torch.nn.Linear):
 
 def apply(model: torch.nn.Module) -> torch.nn.Module:
     """Make every plain `nn.Linear` of `model` a `FlooredLinear` (idempotent; subclasses such as a `WideLogits` head,
-    LoRA or quantised layers keep their own forward); returns the model."""
+    LoRA or quantised layers keep their own forward), and find the floors of its weights on the CPU now (a [64, out]
+    product each, once per shape: at the model's load, not inside a rollout's memory); returns the model."""
     for layer in model.modules():
         if type(layer) is torch.nn.Linear:
             layer.__class__ = FlooredLinear
+        if isinstance(layer, torch.nn.Linear) and layer.weight.device.type == "cpu" and layer.weight.is_floating_point():
+            floor_of(layer.weight)
     return model
