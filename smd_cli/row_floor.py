@@ -64,6 +64,7 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
     for layer in model.modules():
         if type(layer) is torch.nn.Linear:
             layer.__class__ = FlooredLinear
-        if isinstance(layer, torch.nn.Linear) and layer.weight.device.type == "cpu" and layer.weight.is_floating_point():
-            floor_of(layer.weight)
+        weight = getattr(layer, "weight", None) if isinstance(layer, torch.nn.Linear) else None
+        if weight is not None and type(weight.detach()) is torch.Tensor and weight.device.type == "cpu" and weight.is_floating_point():
+            floor_of(weight)  # not a shard (FSDP2's DTensor): its forward sees the gathered weight, probed then
     return model
