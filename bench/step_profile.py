@@ -43,10 +43,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from smd_cli import rollout
+    from smd_cli import evaluation, rollout
     from smd_cli.cli import main as smd
-
-    from smd_cli import evaluation
 
     split = {"prefill": 0.0, "decode": 0.0, "generate": 0.0}
     forward, evaluate, generate, evaluating = rollout._Run.forward, evaluation.evaluate, rollout.generate, []
@@ -90,8 +88,6 @@ def main() -> None:
     for label, suffix, name in PHASES:
         found[label] = sum(v[3] for (file, _, func), v in stats.items() if file.endswith(suffix) and func == name)
     found["training rollouts (generate)"] = split["generate"]
-    found["held-out evaluations (before + after)"] = sum(
-        v[3] for (file, _, func), v in stats.items() if file.endswith("step_profile.py") and func == "flagged")
     found["  of which: prefill (first forward)"] = split["prefill"]
     found["  of which: decode steps"] = split["decode"]
     order = [p[0] for p in PHASES[:4]] + ["training rollouts (generate)", "  of which: prefill (first forward)", "  of which: decode steps"] + [p[0] for p in PHASES[4:]]

@@ -27,7 +27,6 @@ import torch
 
 from smd_cli.options import KV_KINDS
 
-KINDS = KV_KINDS
 QMAX = {"int8": 127.0, "fp8_e4m3": 448.0}
 DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 NUDGE = 2.0 ** -5  # of a code's spacing: far above float32 rounding of x / scale (~1e-4 of a spacing), far below 1/2
@@ -35,8 +34,8 @@ FP8_SUBNORMAL = 2.0 ** -9  # float8_e4m3fn's spacing below 2^-6 (its smallest no
 
 
 def check_kind(kind: str) -> str:
-    if kind not in KINDS:
-        raise ValueError(f"kv.quant={kind!r}: choose one of {', '.join(KINDS)}")
+    if kind not in KV_KINDS:
+        raise ValueError(f"kv.quant={kind!r}: choose one of {', '.join(KV_KINDS)}")
     return kind
 
 

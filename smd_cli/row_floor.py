@@ -64,7 +64,9 @@ def apply(model: torch.nn.Module) -> torch.nn.Module:
     for layer in model.modules():
         if type(layer) is torch.nn.Linear:
             layer.__class__ = FlooredLinear
-        weight = getattr(layer, "weight", None) if isinstance(layer, torch.nn.Linear) else None
-        if weight is not None and type(weight.detach()) is torch.Tensor and weight.device.type == "cpu" and weight.is_floating_point():
-            floor_of(weight)  # not a shard (FSDP2's DTensor): its forward sees the gathered weight, probed then
+        if not isinstance(layer, torch.nn.Linear):
+            continue
+        weight = layer.weight  # a shard (FSDP2's DTensor) is not probed: its forward sees the gathered weight, probed then
+        if type(weight.detach()) is torch.Tensor and weight.device.type == "cpu" and weight.is_floating_point():
+            floor_of(weight)
     return model

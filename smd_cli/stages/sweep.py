@@ -127,7 +127,7 @@ def plan(cfg: DictConfig, base: list[str]) -> tuple[list[tuple[str, list[str]]],
     combos = itertools.product(*[[(key, v) for v in values] for key, values in sweep.items()])
     with _compose_context():
         composer = _Composer(fixed, sweep)
-        members = [_member(combo, [*fixed, *(f"{k}={v}" for k, v in combo)], lambda c=combo: composer(c)) for combo in combos]
+        members = [_member(combo, [*fixed, *(f"{k}={v}" for k, v in combo)], composer) for combo in combos]
     return list(sweep.items()), members
 
 
@@ -168,10 +168,10 @@ class _Composer:
         return cfg
 
 
-def _member(combo: tuple, overrides: list[str], composed) -> Member:
+def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
     label = ",".join(f"{k}={v}" for k, v in combo)
     try:
-        cfg = composed()
+        cfg = composer(combo)
     except Exception as err:  # Hydra's override and composition errors
         raise ConfigError(f"ablate run {label}: {one_line(err)}") from None
     try:  # every value of the member, by the rules `smd train` applies (a swept `lambda=abc` is named here)
