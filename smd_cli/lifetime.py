@@ -69,12 +69,14 @@ def watch_parent(parent: int, interval: float = 0.1) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m smd_cli.lifetime SCRIPT [ARGS]`: run SCRIPT as __main__, dying with the parent that started us."""
+    """`python -m smd_cli.lifetime SCRIPT [ARGS]`: run SCRIPT as __main__, dying with the parent that started us. As with
+    `python SCRIPT`, the script's folder comes first on sys.path (bench/step_overhead.py imports bench/decode_speed.py)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
         raise SystemExit("usage: python -m smd_cli.lifetime SCRIPT [ARGS]")
     die_with_parent()
     sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
     runpy.run_path(argv[0], run_name="__main__")
 
 

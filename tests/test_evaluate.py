@@ -2,6 +2,7 @@
 the KV cache, and the summary is the task's metrics over the per-example rows."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -85,3 +86,16 @@ def test_evaluation_under_eviction_reports_the_answer_evidence_kept(tiny_model, 
     assert summary["evidence/kept_l0"] == pytest.approx(sum(kept) / len(kept)) == summary["evidence/kept_l1"]
     _, dense = evaluate(tiny_model, tiny_tokenizer, task, examples, max_new_tokens=3)
     assert "evidence/kept" not in dense
+
+
+def test_exact_match_is_the_fraction_of_whole_answers_beside_the_partial_credit_reward():
+    """Passkey credits digits in place: the full key 1, four of five digits 0.8, none 0. Exact match counts only the
+    first (by hand: reward (1 + 0.8 + 0) / 3, exact 1 / 3, each with the sample standard error)."""
+    from smd_cli.tasks.passkey import Passkey
+
+    task = Passkey(prompt_tokens=40)
+    examples = task.examples("test", limit=3)
+    keys = [e["key"] for e in examples]
+    got = task.metrics([f"The key is {keys[0]}.", keys[1][:4], "no idea"], examples)
+    assert got["reward"] == pytest.approx(1.8 / 3) and got["exact"] == pytest.approx(1 / 3)
+    assert got["exact_stderr"] == pytest.approx(math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2 / 3))

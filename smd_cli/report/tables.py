@@ -15,6 +15,7 @@ from smd_cli.stats import Cell, cell, number
 MAIN_COLUMNS = [  # (header, metric)
     ("held-out, dense cache", "eval/reward_after"), ("held-out, under eviction", "eval/evict/reward_after"),
     ("greedy, dense cache", "eval/greedy_reward_after"), ("greedy, under eviction", "eval/evict/greedy_reward_after"),
+    ("exact match, dense cache", "eval/exact_after"), ("exact match, under eviction", "eval/evict/exact_after"),
     ("training reward (last 10 steps)", "steps:reward:last10"), ("max learner mismatch", "train/mismatch/max_abs_diff_max"),
     ("answer KV kept, training", "train/evidence/kept_mean"), ("answer KV kept, held-out after", "eval/evict/kept_after"),
 ]

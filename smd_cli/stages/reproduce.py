@@ -211,8 +211,9 @@ def run(cfg: DictConfig) -> dict:
         if not (root / "sweeps" / recipe / "summary.json").is_file():  # 1: some runs failed (in the table); the rest go on
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
     added, rounds = add_seeds(cfg, scale, tables, root, seq)
-    bench = run_benchmarks(cfg, "quick" if cfg.quick else scale, root / "bench")
-    bench["parity_check"] = run_parity(cfg, "quick" if cfg.quick else scale, root / "bench" / "check_parity")
+    which = f"{scale}_quick" if cfg.quick else scale  # the benchmarks and parity check of this scale, or of its quick check
+    bench = run_benchmarks(cfg, which, root / "bench")
+    bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity")
     seconds = record_time(root, started, pending + added)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     header = {"scale": scale, "quick": cfg.quick, "command": f"{make} (smd reproduce)", "rerun": make,

@@ -170,8 +170,9 @@ def eval_policy(cfg: DictConfig):
 def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, float]:
     """Reward on held-out prompts at the eval temperature (seeded; the policy's expected reward), and greedy
     when `eval.greedy`, with a dense cache (`eval/reward_{when}`, `eval/greedy_reward_{when}`) and under the
-    evicting policy of `eval_policy` (`eval/evict/...`, with how much answer-bearing KV it kept). A paper task
-    also reports each of its metrics (`eval/rougeL_{when}`, ...); `reward` is its primary one."""
+    evicting policy of `eval_policy` (`eval/evict/...`, with how much answer-bearing KV it kept), each with its exact
+    match (`eval/exact_{when}`, `eval/greedy_exact_{when}`, ...). A paper task reports each of its metrics instead
+    (`eval/rougeL_{when}`, ...); `reward` is its primary one."""
     if not examples:
         return {}
     out = {}
@@ -186,6 +187,8 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
                                   top_k=cfg.sampling.top_k, policy=policy, seed=cfg.seed + 1, progress=cfg.progress,
                                   kv_quant=cfg.kv.quant if prefix == "eval/evict" else "none")  # eval: dense, full precision
             out[f"{prefix}/{key}_{when}"] = summary["reward"]
+            if "exact" in summary:  # exact match beside a reward that credits part of an answer (passkey's digits, vote's words)
+                out[f"{prefix}/{key.replace('reward', 'exact')}_{when}"] = summary["exact"]
             if key == "reward":
                 metrics = getattr(task, "metric_list", ())
                 out.update({f"{prefix}/{m.name}_{when}": summary[m.name] for m in metrics})

@@ -36,6 +36,8 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     for label, key in ((f"reward, dense cache (T={cfg.eval.temperature:g})", "eval/reward"), ("greedy reward, dense cache", "eval/greedy_reward"),
                        (f"reward, {evicting} (T={cfg.eval.temperature:g})", "eval/evict/reward"),
                        (f"greedy reward, {evicting}", "eval/evict/greedy_reward"),
+                       (f"exact match, dense cache (T={cfg.eval.temperature:g})", "eval/exact"),
+                       (f"exact match, {evicting} (T={cfg.eval.temperature:g})", "eval/evict/exact"),
                        (f"answer-bearing KV kept, {evicting}", "eval/evict/kept")):
         if f"{key}_before" in summary or f"{key}_after" in summary:
             table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))

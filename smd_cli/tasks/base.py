@@ -56,9 +56,11 @@ class Task:
         return list(ids)
 
     def metrics(self, completions: list[str], examples: list[Example]) -> dict[str, float]:
-        """Mean reward and its standard error; subclasses add their own metrics."""
+        """Mean reward and exact match (the fraction of rewards of 1: a partly right answer, which the reward credits in
+        part, counts 0), each with its standard error; subclasses add their own metrics."""
         scores = [self.reward(c, e) for c, e in zip(completions, examples, strict=True)]
-        return {"reward": mean(scores), "reward_stderr": stderr(scores)}
+        exact = [float(s >= 1.0) for s in scores]
+        return {"reward": mean(scores), "reward_stderr": stderr(scores), "exact": mean(exact), "exact_stderr": stderr(exact)}
 
 
 def mean(xs: list[float]) -> float:
