@@ -290,25 +290,34 @@ def test_extensions_group_cells_into_few_invocations(tmp_path):
               ("compression", (("algo", "naive_sparse"), ("compression", "0.7"))): 3}
     [e] = budget.extensions(wanted, {"compression": comp})
     assert e.overrides() == ["compression=0.5,0.7", "algo=smd", "seed=3,4"] and e.runs == 4 and e.label == "seeds3-4_0.5-0.7"
-    planned = [budget.Planned("vote", str(s), 40, 256, 8, 700) for s in range(2)]
+    planned = [budget.Planned("vote", str(s), 40, 256, 4, 700, ("vote", f"seed={s}")) for s in range(2)]
     cost = budget.Cost(run_s=6.5, step_s=0.36, eval_prompt_s=0.0036, warm_step_s=0.247)
-    assert budget.predict(planned, cost, jobs=2) == pytest.approx((2 * (6.5 + 40 * 0.36 + 8 * 256 * 0.0036) + 2 * 700 * 0.247) / 2)
+    evaluations = 4 * 256 * 0.0036  # four evaluations of 256 prompts after training, four before (once per start)
+    assert budget.predict(planned, cost, jobs=2) == pytest.approx((2 * (6.5 + 40 * 0.36 + evaluations) + 2 * evaluations + 2 * 700 * 0.247) / 2)
+    shared = [budget.Planned("vote", "0", 40, 256, 4, 700, ("vote", "seed=0")) for _ in range(3)]  # three algorithms of one start
+    assert budget.predict(shared, cost, jobs=1) == pytest.approx(3 * (6.5 + 40 * 0.36 + evaluations) + evaluations + 700 * 0.247)
+    assert budget.renamed(("vote", "seed=2", "snapkv"), "2", "5") == ("vote", "seed=5", "snapkv")
+    assert budget.renamed(("passkey", "", "snapkv"), "2", "5") == ("passkey", "", "snapkv")  # greedy, no warm start: no seed in it
 
 
 @pytest.mark.slow
 def test_dry_run_prints_the_cost_models_prediction(tmp_path, capsys):
     """`make reproduce ARGS=dry_run=true`: what would run and the cost model's minutes, worked out here by hand from the
-    recipes (a run: start + 40 steps + 8 evaluations of 256 prompts; a warm start per task and seed; two at once)."""
+    recipes (a run: start + 40 steps + 4 evaluations of 256 prompts after training, and 4 before once per starting point
+    and evaluating eviction; a warm start per task and seed; two at once)."""
     from omegaconf import OmegaConf
 
     recipes = ROOT / "recipes"
     algos = OmegaConf.load(recipes / "main_table.yaml").ablate.sweep[1].split("=")[1].split(",")
     c = OmegaConf.load(ROOT / "conf" / "reproduce.yaml").cost.tiny
-    run = c.run_s + 40 * c.step_s + 8 * 256 * c.eval_prompt_s
+    run, before = c.run_s + 40 * c.step_s + 4 * 256 * c.eval_prompt_s, 4 * 256 * c.eval_prompt_s
     warm = 700 * c.warm_step_s
     base = 2 * len(algos) * 3 + (36 - 9) + (15 - 3) + (30 - 6)  # the tables' runs, those they share counted once
     cells = 2 * len(algos) + 2 + 4 + 3  # the claims' cells: the main table's, smd and sparse_rl at 0.7, 4 lambdas, 3 selections
-    now, worst = (base * run + 6 * warm) / 2, (cells * 5 * run + 2 * 5 * warm) / 2  # 5 seeds more for 2 tasks
+    # evaluations before training, per seed's warm start: the main table's dense (under snapkv) and snapkv, per task; vote
+    # at 0.3, 0.7 and 0.9; vote under recent, random, h2o and knorm (the lambdas share snapkv at 0.5) -> 4 + 3 + 4 = 11
+    # a seed; the claims' cells at a new seed: 4 (main) + 1 (0.7) + 2 (recent and random) = 7
+    now, worst = (base * run + 11 * 3 * before + 6 * warm) / 2, (cells * 5 * run + 7 * 5 * before + 2 * 5 * warm) / 2  # 5 seeds more, 2 tasks
     main(["reproduce", "dry_run=true", f"root={tmp_path / 'root'}"])
     text = " ".join(capsys.readouterr().out.split())
     rest = c.benchmarks_s + c.overhead_s

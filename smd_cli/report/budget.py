@@ -3,9 +3,10 @@ invocations, and the cost model that predicts its duration.
 
 The cost model (CPU seconds on this project's 2-core machine, one thread per run, measured with short timed runs:
 README, "Reproducing the paper"): a run costs `run_s` (start, imports, the model from the warm-start cache) +
-`step_s` per GRPO step + `eval_prompt_s` per held-out prompt and evaluation (a run evaluates 2 x 2 x 2 times:
-before and after, dense cache and under eviction, sampled and greedy); each (task, seed) warm start costs
-`warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another, and `overhead_s` the rest
+`step_s` per GRPO step + `eval_prompt_s` per held-out prompt and evaluation (after training, 2 x 2 evaluations:
+dense cache and under eviction, sampled and greedy; the same again before training, but once for all the runs that
+evaluate the same starting point the same way, `Planned.before`, since `eval.reuse_before` reads the others from
+`smd_cli.eval_cache`); each (task, seed) warm start costs `warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another, and `overhead_s` the rest
 (each `smd ablate`'s start and its last run alone on a core, the report). With `jobs` runs at once the runs' total
 divides by `jobs`. Library code: no Hydra.
 """
@@ -36,8 +37,9 @@ class Planned:
     seed: str
     steps: int
     eval_prompts: int
-    evaluations: int  # held-out evaluations of `eval_prompts` each
+    evaluations: int  # held-out evaluations of `eval_prompts` each after training (as many before)
     warm_steps: int
+    before: tuple = ()  # what the evaluations before training depend on besides the code: runs with the same share them
 
 
 def run_seconds(p: Planned, cost: Cost) -> float:
@@ -45,10 +47,11 @@ def run_seconds(p: Planned, cost: Cost) -> float:
 
 
 def predict(runs: list[Planned], cost: Cost, jobs: int, done_warm: set = frozenset()) -> float:
-    """Wall seconds to run `runs` (`jobs` at once) and their warm starts not in `done_warm` ((task, seed) pairs),
-    benchmarks excluded."""
+    """Wall seconds to run `runs` (`jobs` at once), their evaluations before training (once per `before`) and their
+    warm starts not in `done_warm` ((task, seed) pairs), benchmarks excluded."""
     warm = {(p.task, p.seed): p.warm_steps for p in runs if (p.task, p.seed) not in done_warm}
-    return (sum(run_seconds(p, cost) for p in runs) + sum(warm.values()) * cost.warm_step_s) / jobs
+    before = {(p.before, p.eval_prompts): p.evaluations * p.eval_prompts * cost.eval_prompt_s for p in runs}
+    return (sum(run_seconds(p, cost) for p in runs) + sum(before.values()) + sum(warm.values()) * cost.warm_step_s) / jobs
 
 
 def prediction(planned: dict, cells: set, todo: set[str], cap: int, cost: Cost, jobs: int) -> str:
@@ -60,13 +63,18 @@ def prediction(planned: dict, cells: set, todo: set[str], cap: int, cost: Cost, 
     firsts = [(ident, p) for (role, cell, seed), (ident, p) in planned.items() if (role, cell) in cells]
     seeds = sorted({p.seed for _, p in firsts}, key=int)
     extra = {ident: p for ident, p in firsts if p.seed == seeds[0]} if seeds else {}
-    more = [Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps) for p in extra.values()
-            for s in range(len(seeds), cap)]
+    more = [Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps, renamed(p.before, p.seed, str(s)))
+            for p in extra.values() for s in range(len(seeds), cap)]
     worst = predict(more, cost, jobs)
     rest = cost.benchmarks_s + cost.overhead_s
     return (f"{len(base)} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of {cap} seeds, "
             f"{len(more)} runs more, {worst / 60:.0f} min; benchmarks and the rest {rest / 60:.0f} min: at most "
             f"{(now + worst + rest) / 60:.0f} min with {jobs} runs at once")
+
+
+def renamed(before: tuple, seed: str, new: str) -> tuple:
+    """The `Planned.before` of the same run at seed `new` (the seed is part of it when the evaluation depends on it)."""
+    return tuple(f"seed={new}" if part == f"seed={seed}" else part for part in before)
 
 
 @dataclass(frozen=True)

@@ -110,8 +110,7 @@ def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, r
         for m in combos:
             values = dict(m.combo)
             cell = tuple(sorted((k, v) for k, v in values.items() if k != "seed"))
-            planned[(role, cell, values.get("seed"))] = (m.identity, planned_run(ablate_cfg, m.name.split("_")[0],
-                                                                                 values.get("seed", str(ablate_cfg.seed))))
+            planned[(role, cell, values.get("seed"))] = (m.identity, planned_run(ablate_cfg, m, values.get("seed", str(ablate_cfg.seed))))
     console.print(table)
     console.print(f"{len(seen)} distinct training runs, {len(todo)} to run; runs in {root / 'members'}")
     prediction = predict(cfg, scale, rule, planned, plans, todo)
@@ -120,12 +119,13 @@ def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, r
     return len(todo), prediction
 
 
-def planned_run(ablate_cfg: DictConfig, task: str, seed: str) -> budget.Planned:
+def planned_run(ablate_cfg: DictConfig, member, seed: str) -> budget.Planned:
     """A run of this table as the cost model sees it."""
     e = ablate_cfg.eval
-    evaluations = 2 * (2 if e.evicting else 1) * (2 if e.greedy else 1)  # before / after, dense / evicting, sampled / greedy
+    evaluations = (2 if e.evicting else 1) * (2 if e.greedy else 1)  # after training: dense / evicting, sampled / greedy
     warm = ablate_cfg.model.get("warmstart") or {}
-    return budget.Planned(task, str(seed), int(ablate_cfg.steps), int(e.num_prompts), evaluations, int(warm.get("steps") or 0))
+    return budget.Planned(member.name.split("_")[0], str(seed), int(ablate_cfg.steps), int(e.num_prompts), evaluations,
+                          int(warm.get("steps") or 0), member.before)
 
 
 def predict(cfg: DictConfig, scale: str, rule: Sequential, planned: dict, plans: dict[str, Sweep], todo: set[str]) -> str | None:

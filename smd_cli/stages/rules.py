@@ -244,6 +244,7 @@ RULES: dict[str, Rule] = {
     "eval.greedy": flag(),
     "eval.evicting": flag(),
     "eval.dense_eviction": one_of(*_options("eviction"), null="none"),
+    "eval.reuse_before": flag(),
     "algo.name": text("a name (conf/algo/NAME.yaml's)"),
     "algo.evicting": flag(),
     "algo.view": one_of(*VIEWS, text=f"one of {', '.join(VIEWS)}"),

@@ -57,6 +57,7 @@ class Member:
     overrides: list[str]  # the `smd train` overrides: the fixed ones, then the swept values
     identity: str  # SHA-256 of the composed config, less NOT_IDENTITY
     name: str  # directory name in the runs directory
+    before: tuple = ()  # what its held-out evaluations before training depend on (members alike share them: eval.reuse_before)
 
     @property
     def label(self) -> str:
@@ -189,7 +190,17 @@ def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
         parts.append(f"lam{config['lambda']:g}")
     parts.append(f"seed{config['seed']}")
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(map(str, parts))) + f"_{identity[:8]}"
-    return Member(tuple(combo), overrides, identity, name)
+    return Member(tuple(combo), overrides, identity, name, before_evaluation(cfg, choices))
+
+
+def before_evaluation(cfg: DictConfig, choices) -> tuple:
+    """What a member's evaluations before training depend on, as far as its config tells (the cost model's share of
+    `smd_cli.eval_cache`): the task, the starting weights (a seed's own warm start), the evaluating eviction and
+    compression, the prompts; the seed also when the evaluation samples."""
+    warm = cfg.model.get("warmstart") or {}
+    seeded = bool(warm.get("steps")) or cfg.eval.temperature > 0
+    evicting = f"{choices.eviction}" if cfg.algo.evicting else f"dense:{cfg.eval.dense_eviction}"
+    return (choices.task, choices.model, f"seed={cfg.seed}" if seeded else "", evicting, str(cfg.compression), int(cfg.eval.num_prompts))
 
 
 def config_identity(cfg: DictConfig) -> str:

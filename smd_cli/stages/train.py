@@ -25,12 +25,12 @@ import copy
 import time
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from smd_cli import adaptive, agreement
 from smd_cli import checkpoint as ckpt
-from smd_cli import distributed
+from smd_cli import distributed, eval_cache
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
 from smd_cli.io import MetricsLog, read_jsonl, write_json
@@ -196,6 +196,25 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
     return out
 
 
+def held_out_before(model, tokenizer, task, examples, cfg) -> tuple[dict[str, float], str | None]:
+    """`held_out(..., "before")`, and where it was read from: the evaluation cache's entry (`smd_cli.eval_cache`) when
+    `eval.reuse_before` and an earlier run stored this very evaluation of these weights (the same bytes, prompts,
+    settings, code and machine), else None (computed here, then stored). One process only (under torchrun: computed)."""
+    if not (examples and cfg.eval.get("reuse_before") and distributed.size() == 1):
+        return held_out(model, tokenizer, task, examples, cfg, "before"), None
+    plain = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("task", "eval", "sampling", "eviction", "kv")}
+    settings = {**plain, "compression": cfg.compression, "algo.evicting": cfg.algo.evicting,
+                "seed": cfg.seed if cfg.eval.temperature > 0 else None,  # greedy: no noise is drawn
+                "precision": {k: cfg.model.get(k) for k in ("dtype", "cpu_dtype", "logits_dtype", "attention_dtype")}}
+    digest = eval_cache.key(model, examples, [encode_prompt(task, e, tokenizer) for e in examples], settings)
+    found = eval_cache.load(cfg.cache_dir, digest)
+    if found is not None:
+        return found, str(eval_cache.path(cfg.cache_dir, digest))
+    out = held_out(model, tokenizer, task, examples, cfg, "before")
+    eval_cache.store(cfg.cache_dir, digest, out)
+    return out, None
+
+
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
     distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
@@ -233,8 +252,11 @@ def run(cfg: DictConfig) -> dict:
     if resume_from is None:
         start = 0
         with distributed.gathered(root):
-            state = {"summary": held_out(model, tokenizer, task, eval_examples, adaptive.at(cfg, controller), "before"), "skipped_steps": 0,
-                     "seconds": 0.0}
+            before, reused = held_out_before(model, tokenizer, task, eval_examples, adaptive.at(cfg, controller))
+            state = {"summary": before, "skipped_steps": 0, "seconds": 0.0}
+        if reused:
+            console.print(f"held-out evaluations before GRPO: read from {reused} (these weights, prompts and settings, evaluated by an "
+                          "earlier run with this code; eval.reuse_before=false evaluates them again)", highlight=False)
         if controller is not None:
             state["adaptive"] = controller.state_dict()
             state["summary"]["eval/evict/compression_before"] = controller.compression
