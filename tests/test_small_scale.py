@@ -38,6 +38,7 @@ def test_the_small_tables_are_every_table_of_the_paper_over_shared_runs():
         for recipe in ("small_main_table", "small_ablate_compression", "small_ablate_lambda", "small_ablate_selection"):
             cfg = compose("ablate", overrides=[f"+recipe={recipe}"])
             assert cfg.model.name == "smollm2_135m" and cfg.task._target_ == "smd_cli.tasks.passkey.Passkey" and cfg.steps == 20
+            assert cfg.checkpoint.final is False and cfg.eval.num_prompts == 32  # no 517 MB final/ a run; 32 held-out prompts
             names[recipe] = {m.name.rsplit("_", 1)[0] for m in distinct(plan(cfg, [f"+recipe={recipe}"])[1])}
     assert {len(v) for k, v in names.items()} == {24, 27, 12}
     assert len(names["small_main_table"]) == 8 * 3 and "passkey_trm_snapkv_c0.5_seed2" in names["small_main_table"]
@@ -82,6 +83,7 @@ def test_quick_small_reproduce_runs_smollm2_end_to_end(tmp_path):
     steps = [json.loads(line) for line in (smd_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 1 and steps[0]["mismatch/max_abs_diff"] <= 5e-7 and steps[0]["grad_norm"] > 0
     summary = json.loads((smd_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and not (smd_dir / "final").exists()  # checkpoint.final=false: no weights kept
     lam = root / "members" / next(r["dir"] for r in runs if "lam0.8" in r["dir"])  # evaluates its start as lambda 0.1 did: read
     assert "held-out evaluations before GRPO: read from" in (lam / "console.log").read_text()
     before = {k: v for k, v in json.loads((lam / "summary.json").read_text()).items() if k.endswith("_before")}

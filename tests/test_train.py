@@ -124,3 +124,11 @@ def test_dense_run_is_evaluated_under_snapkv_too_unless_asked_not_to(tmp_path):
     ended = [p.name for p in (tmp_path / "a" / "run" / "checkpoints").iterdir()]
     assert ended == ["step_000002"] and (tmp_path / "a" / "run" / "final" / "config.json").is_file()
     assert not any((tmp_path / "b" / "run" / "checkpoints").glob("step_*")) and (tmp_path / "b" / "run" / "final" / "config.json").is_file()
+
+
+def test_checkpoint_final_false_keeps_no_weights(tmp_path):
+    """`checkpoint.final=false` (the small reproduction's recipes: SmolLM2's final/ is 517 MB a run): the run completes
+    and is summarised, with no final/ and no checkpoint."""
+    summary = train.run(compose_train(tmp_path, *TINY_RUN, "checkpoint.every=0", "checkpoint.at_end=false", "checkpoint.final=false"))
+    assert summary["status"] == "completed" and (tmp_path / "run" / "summary.json").is_file()
+    assert not (tmp_path / "run" / "final").exists() and not (tmp_path / "run" / "checkpoints").exists()

@@ -217,6 +217,7 @@ RULES: dict[str, Rule] = {
                                null="check-parity's 1e-5 in float32, not judged in half precision"),
     "checkpoint.every": integer(0, "(0: only at the end)"),
     "checkpoint.at_end": flag(),
+    "checkpoint.final": flag(),
     "checkpoint.keep_last": integer(1, null="keep all"),
     "grpo.prompts_per_step": integer(1),
     "grpo.num_generations": integer(2, "(GRPO normalises each reward against the other samples of its group)"),

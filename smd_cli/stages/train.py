@@ -336,7 +336,8 @@ def run(cfg: DictConfig) -> dict:
         latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
         if cfg.checkpoint.get("at_end", True) and (latest is None or latest.step != cfg.steps):
             save(cfg, run_dir, cfg.steps, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
-        save_final(run_dir, model, tokenizer, root)
+        if cfg.checkpoint.get("final", True):
+            save_final(run_dir, model, tokenizer, root)
     summary.update({"train/seconds": state["seconds"], "train/skipped_steps": state["skipped_steps"], "steps": cfg.steps,
                     "steps_run": guard.rows[-1]["step"] if guard.rows else start, "status": "completed",
                     "status_reason": "; ".join(n for n in (guard.note(), parity.note()) if n)})
