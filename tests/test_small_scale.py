@@ -74,6 +74,7 @@ def test_quick_small_reproduce_runs_smollm2_end_to_end(tmp_path):
                            f"out={out}"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "REPORT.md").read_text()
+    assert f'- re-run: `make reproduce SCALE=small QUICK=1 ARGS="jobs=1 root={root} out={out}"`' in report  # every override named
     for section in ("## Main table", "## Compression ablation", "## Distillation weight (lambda) ablation", "## Token-selection ablation",
                     "## Parity: the lr = 0 protocol, float32 and float64", "## Step-time overhead"):
         assert section in report

@@ -216,7 +216,10 @@ def run(cfg: DictConfig) -> dict:
     bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity")
     seconds = record_time(root, started, pending + added)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
-    header = {"scale": scale, "quick": cfg.quick, "command": f"{make} (smd reproduce)", "rerun": make,
+    extra = [o for o in cfg.overrides if o.split("=")[0] not in ("small", "paper", "quick")]  # a subset, other looks, ...: said
+    args = f" ARGS=\"{' '.join(extra)}\"" if extra else ""
+    header = {"scale": scale, "quick": cfg.quick, "command": f"{make}{args} (smd reproduce {' '.join(cfg.overrides)})".replace(" )", ")"),
+              "rerun": make + args,
               "commit": git_commit(ROOT), "versions": package_versions(), "wall_seconds": seconds,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                          + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU") + f", {cfg.jobs} runs at once",
