@@ -107,12 +107,18 @@ def overhead(benches: list[dict]) -> list[Finding]:
         if not rounds:
             continue
         c = cell(rounds)
-        a = bench["args"]
-        group = a.get("group", 1)
         out.append(Finding("SMD's training step costs under 10 % more than naive sparse's", "< 10 % of training time",
                            "holds if (1.10 - mean) / se >= c over the rounds' ratios, does not hold if < -c (c: t critical value)",
-                           f"{a['layers']} layers x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']})"
-                           + (f", {group} rows per prompt" if group > 1 else ", distinct prompts"),
+                           overhead_size(bench),
                            f"smd / naive_sparse step {c} over {c.n} rounds (median {bench['over_naive_sparse']['smd']:.3f})",
                            at_most(c, 1.10) if c.se is not None else INCONCLUSIVE))
     return out
+
+
+def overhead_size(bench: dict) -> str:
+    """What a `bench/step_overhead.py` result ran: the model (a named one, `--model`, or random widths) and the batch."""
+    a = bench["args"]
+    model = a['model'] if a.get('model') else f"{a['layers']} layers x {a['hidden']}"
+    group = a.get("group", 1)
+    return (f"{model}, {a['rows']} x (P {a['prompt']} + R {a['response']}), "
+            + (f"{group} rows per prompt" if group > 1 else "distinct prompts"))

@@ -345,9 +345,7 @@ def _overhead_section(r: Report, benches: list[dict]) -> None:
            "teacher and KL add their work, weigh more.")
     rows = []
     for b in benches:
-        a = b["args"]
-        size = f"{a['layers']} x {a['hidden']}, {a['rows']} x (P {a['prompt']} + R {a['response']}), " + \
-            (f"{a['group']} rows per prompt" if a.get("group", 1) > 1 else "distinct prompts")
+        size = machinery.overhead_size(b)
         for name, median in b["median_seconds"].items():
             rounds = cell(b["rounds_over_naive_sparse"][name])
             rows.append([size, name, f"{median:.3f}", f"{b['over_naive_sparse'][name]:.3f}", str(rounds)])
