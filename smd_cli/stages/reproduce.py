@@ -311,7 +311,7 @@ def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-def record_time(root: Path, started: float, ran: int) -> float:
+def record_time(root: Path, started: float, ran: int) -> float | None:
     """Append this invocation to ROOT/timing.json; returns the wall seconds of the invocations that ran training
     runs (the one that ran them all, or the attempts of a stopped and resumed one), not of report-only ones."""
     path = root / "timing.json"
@@ -319,4 +319,4 @@ def record_time(root: Path, started: float, ran: int) -> float:
     history.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)), "seconds": round(time.time() - started, 1),
                     "runs_to_run": ran})
     write_json(path, history)
-    return sum(h["seconds"] for h in history if h["runs_to_run"]) or history[-1]["seconds"]
+    return sum(h["seconds"] for h in history if h["runs_to_run"]) or None  # None: no invocation here ran a run (a report only)
