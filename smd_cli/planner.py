@@ -41,7 +41,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-CPU_ROW_FLOOR = 16  # rows a CPU matmul is padded to (`row_floor.floor_of` on MKL, torch 2.13): a decode step's head output
+
+
+def cpu_padded_rows(rows: int, vocab: int, hidden: int, bytes_: float) -> int:
+    """The rows a CPU matmul of the LM head runs `rows` rows as (`row_floor.padded_rows`, this machine's rule, probed on
+    a proxy of at most 4096 of the head's rows: the rule follows the BLAS kernel, which the width and dtype choose)."""
+    import torch
+
+    from smd_cli import row_floor
+
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(int(bytes_), torch.float32)
+    proxy = torch.randn(min(vocab, 4096), hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
+    return row_floor.padded_rows(rows, proxy)
 
 
 @dataclass(frozen=True)
@@ -198,8 +209,9 @@ def rollout_terms(run: Run) -> dict[str, float]:
     # the last position's logits, and sampling's float32 copies (scaled, log_softmax, probabilities) and float64 CDF:
     # 24 bytes per logit measured above float32 logits, 28 above bf16 ones
     logits = rows * a.vocab * (b + 24.0 + (4.0 if b < 4 else 0.0))
-    if run.device == "cpu" and rows < CPU_ROW_FLOOR:  # the head's output padded to the floor's rows, then the rows' copy
-        logits = max(logits, (CPU_ROW_FLOOR + rows) * a.vocab * b)
+    padded = cpu_padded_rows(rows, a.vocab, a.hidden, b) if run.device == "cpu" else rows
+    if padded > rows:  # the head's output padded to the machine's rows (`smd_cli.row_floor`), then the rows' copy
+        logits = max(logits, (padded + rows) * a.vocab * b)
     done = shadow_mask_bytes(run, run.rows - rows)  # chunks decoded before this one wait for the learner
     recording = 2 * shadow_mask_bytes(run, rows)  # evict_at while decoding, and its final copy
     gathered = float(b * a.params) if run.gpus > 1 else 0.0  # FSDP2: every weight unsharded while decoding

@@ -68,3 +68,13 @@ def test_other_layers_keep_their_own_forward():
     large = F.linear(h.double(), head.weight.double())
     with torch.no_grad():
         assert all(torch.equal(head(h[:rows]), large[:rows]) for rows in (1, 4, 8, 20))
+
+
+def test_every_row_count_rounds_as_the_large_batch_in_float32_and_float64():
+    """Whatever rule this machine's BLAS needs (a floor, as MKL's 16 rows; or a multiple of rows, as float64 on an AMD
+    EPYC, where only batches of 4k rows agree), `linear` returns each row as a 64-row batch computes it."""
+    torch.manual_seed(5)
+    for dtype in (torch.float32, torch.float64):
+        weight, x = torch.randn(1536, 576, dtype=dtype), torch.randn(64, 576, dtype=dtype)
+        large = F.linear(x, weight)
+        assert all(torch.equal(row_floor.linear(x[:rows], weight, None), large[:rows]) for rows in range(1, 41)), dtype
