@@ -67,13 +67,8 @@ def shared_data():
 
 
 def pytest_collection_modifyitems(items):
-    """The slow end-to-end runs first (a stable sort: each file's order kept): two workers then share them from the
-    start, and the longest never starts last with the other worker idle (`make test`'s --dist worksteal)."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
-def pytest_collection_modifyitems(items):
-    """The longest tests first (the end-to-end reproductions, minutes each), so that no worker starts one last while
-    the others idle: the suite's wall time is the work's, not a tail's."""
-    first = ("test_quick_small_reproduce", "test_quick_reproduce_end_to_end")
-    items.sort(key=lambda item: 0 if item.name.startswith(first) else 1)
+    """The slow end-to-end runs first, the two reproductions (minutes each) before them (a stable sort: each file's
+    order kept): two workers then share them from the start, and the longest never starts last with the other worker
+    idle (`make test`'s --dist worksteal)."""
+    longest = ("test_quick_small_reproduce", "test_quick_reproduce_end_to_end")
+    items.sort(key=lambda item: (not item.name.startswith(longest), item.get_closest_marker("slow") is None))
