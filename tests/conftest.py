@@ -67,8 +67,8 @@ def shared_data():
 
 
 def pytest_collection_modifyitems(items):
-    """The slow end-to-end runs first, the two reproductions (minutes each) before them (a stable sort: each file's
-    order kept): two workers then share them from the start, and the longest never starts last with the other worker
-    idle (`make test`'s --dist worksteal)."""
+    """The two end-to-end reproductions (minutes each) first, the rest in collection order (a stable sort): one worker
+    starts them while the other works through the rest, and neither starts last with the other idle (`make test`'s
+    --dist worksteal; measured on a fresh clone: 7 min 37 s, against 9+ min with every slow test first)."""
     longest = ("test_quick_small_reproduce", "test_quick_reproduce_end_to_end")
-    items.sort(key=lambda item: (not item.name.startswith(longest), item.get_closest_marker("slow") is None))
+    items.sort(key=lambda item: not item.name.startswith(longest))
