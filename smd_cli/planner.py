@@ -40,19 +40,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
+from functools import lru_cache
 
 
 def cpu_padded_rows(rows: int, vocab: int, hidden: int, bytes_: float) -> int:
-    """The rows a CPU matmul of the LM head runs `rows` rows as (`row_floor.padded_rows`, this machine's rule, probed on
-    a proxy of at most 4096 of the head's rows: the rule follows the BLAS kernel, which the width and dtype choose)."""
+    """The rows a CPU matmul of the LM head runs `rows` rows as (`row_floor.padded`, this machine's rule)."""
+    from smd_cli import row_floor
+
+    return row_floor.padded(rows, _head_rule(min(vocab, 4096), hidden, int(bytes_)))
+
+
+@lru_cache(maxsize=None)
+def _head_rule(proxy_rows: int, hidden: int, bytes_: int) -> tuple[int, int]:
+    """`row_floor.rule_of` for a head of this width and dtype, probed once on a proxy of at most 4096 of its rows (the
+    rule follows the BLAS kernel, which the width and dtype choose)."""
     import torch
 
     from smd_cli import row_floor
 
-    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(int(bytes_), torch.float32)
-    proxy = torch.randn(min(vocab, 4096), hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
-    return row_floor.padded_rows(rows, proxy)
+    dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}.get(bytes_, torch.float32)
+    return row_floor.rule_of(torch.randn(proxy_rows, hidden, generator=torch.Generator().manual_seed(0)).to(dtype))
 
 
 @dataclass(frozen=True)

@@ -3,12 +3,12 @@
 A decode step multiplies a few rows (one token per sequence) by each weight, and so do the learner's response rows of
 a small group; the learner's replay multiplies whole sequences. On the CPU, MKL picks its GEMM kernel by the number of
 rows, and the kernels sum in different orders: a row's float32 result is the same in any batch of at least 16 rows and
-another one below that (torch 2.13, 1 and 2 threads, all four of SmolLM2's weight shapes, an Intel CPU); on an AMD EPYC
-the float32 floor is 4 and float64 rows agree only in batches that are multiples of 4 (a quantum, not a floor). SmolLM2 decoding 8 rows
-(2 prompts x 4 samples, `scale=small`) therefore missed the learner's log-probs by up to 3.2e-5 through its 30 layers.
+another one below that (torch 2.13, 1 and 2 threads, all four of SmolLM2's weight shapes, an Intel CPU); on an AMD
+EPYC the float32 floor is 4 and float64 rows agree only in batches that are multiples of 4 (a quantum, not a floor).
+SmolLM2 decoding 8 rows (2 prompts x 4 samples, `scale=small`) therefore missed the learner's log-probs by up to 3.2e-5 through its 30 layers.
 `apply(model)` makes each plain `nn.Linear` a `FlooredLinear`: on the CPU, an input of fewer rows than the floor of its
-weight's shape and dtype (`rule_of`: the smallest batch that rounds each row as a large one does, or the multiple of rows that does, found once, bit for
-bit, on this machine) is padded with zero rows and the padding dropped after. The rows a layer returns then do not
+weight's shape and dtype (`rule_of`: the smallest batch that rounds each row as a large one does, or the multiple of
+rows that does, found once, bit for bit, on this machine) is padded with zero rows and the padding dropped after. The rows a layer returns then do not
 depend on how many rows it was given, in the sampler and the learner alike. Other devices: `F.linear` as it is.
 """
 
@@ -46,10 +46,15 @@ def floor_of(weight: torch.Tensor) -> int:
     return rule_of(weight)[0]
 
 
+def padded(rows: int, rule: tuple[int, int]) -> int:
+    """The rows a batch of `rows` rows runs as under `rule` ((floor, quantum), `rule_of`)."""
+    floor, quantum = rule
+    return max(rows, floor) if quantum == 1 else -(-rows // quantum) * quantum
+
+
 def padded_rows(rows: int, weight: torch.Tensor) -> int:
     """The rows `linear` runs `rows` rows of `weight` as on the CPU (`rule_of`)."""
-    floor, quantum = rule_of(weight)
-    return max(rows, floor) if quantum == 1 else -(-rows // quantum) * quantum
+    return padded(rows, rule_of(weight))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

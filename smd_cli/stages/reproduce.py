@@ -218,7 +218,7 @@ def run(cfg: DictConfig) -> dict:
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     extra = [o for o in cfg.overrides if o.split("=")[0] not in ("small", "paper", "quick")]  # a subset, other looks, ...: said
     args = f" ARGS=\"{' '.join(extra)}\"" if extra else ""
-    header = {"scale": scale, "quick": cfg.quick, "command": f"{make}{args} (smd reproduce {' '.join(cfg.overrides)})".replace(" )", ")"),
+    header = {"scale": scale, "quick": cfg.quick, "command": f"{make}{args} ({' '.join(['smd reproduce', *cfg.overrides])})",
               "rerun": make + args,
               "commit": git_commit(ROOT), "versions": package_versions(), "wall_seconds": seconds,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
