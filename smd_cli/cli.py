@@ -136,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     import hydra
 
     from smd_cli.integrity import release_all
-    from smd_cli.learner import TrainingDiverged
-    from smd_cli.parity import ParityFailed
+    from smd_cli.failures import ParityFailed, TrainingDiverged
     from smd_cli.stages.checks import ConfigError
 
     register_recipes()

@@ -46,6 +46,7 @@ from smd_cli.corrections.sparse_rl import SparseRL
 from smd_cli.corrections.tis import TIS
 from smd_cli.corrections.trm import TRM
 from smd_cli.distributed import LearnerPass
+from smd_cli.failures import TrainingDiverged
 from smd_cli.options import VIEWS
 from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats
 from smd_cli.rollout import RolloutBatch
@@ -64,10 +65,6 @@ BUILT_IN = {
     "smd": ("shadow", NoCorrection, True),
 }
 ALGORITHMS = tuple(BUILT_IN)
-
-
-class TrainingDiverged(RuntimeError):
-    """A loss or gradient was NaN or infinite; the step was not applied."""
 
 
 @dataclass

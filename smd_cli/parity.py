@@ -40,10 +40,6 @@ JUDGED = ("shadow", "physical")  # the float32 views that must give the sampler'
 ROUNDING_FACTOR = 10.0  # a float64 replay missing the sampler by more than this times float32 rounding: a mask error
 
 
-class ParityFailed(RuntimeError):
-    """A learner view that must equal the sampler's log-probs does not, beyond the bound."""
-
-
 @dataclass
 class Settings:
     """How the learner scores (the train stage's knobs of the same names) and what is checked."""

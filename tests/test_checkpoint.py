@@ -14,8 +14,8 @@ from smd_cli import checkpoint as ckpt
 from smd_cli import integrity, learner
 from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.cli import CONF_DIR, register_recipes
+from smd_cli.failures import TrainingDiverged
 from smd_cli.io import read_jsonl
-from smd_cli.learner import TrainingDiverged
 from smd_cli.stages import train
 from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.evaluate import checkpoint_dir

@@ -47,3 +47,17 @@ def test_a_sweeps_launcher_workers_never_import_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert done.stdout.strip() == "[]"
+
+
+
+def test_smd_reproduce_starts_without_transformers():
+    """`smd reproduce` starts `smd ablate` processes and writes the report: the CLI names the engine's failures
+    (`smd_cli.failures`) without importing the engine, so transformers (seconds at each start) is never loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from smd_cli.cli import main\ntry: main(['reproduce', '--help'])\nexcept SystemExit as done: assert not done.code\n"
+            "import smd_cli.stages.reproduce\nprint('loaded:', [m for m in ('transformers', 'smd_cli.models') if m in sys.modules])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "loaded: []"

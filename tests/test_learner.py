@@ -13,7 +13,8 @@ import torch
 
 from smd_cli import learner
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import Algorithm, TrainingDiverged, learner_step
+from smd_cli.failures import TrainingDiverged
+from smd_cli.learner import Algorithm, learner_step
 from smd_cli.rollout import generate
 from smd_cli.losses import token_logprobs
 from smd_cli.scoring import response_logits

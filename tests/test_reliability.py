@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from smd_cli import checkpoint as ckpt
 from smd_cli import integrity
 from smd_cli.cli import CONF_DIR, main, register_recipes
+from smd_cli.failures import TrainingDiverged
 from smd_cli.io import read_jsonl
-from smd_cli.learner import TrainingDiverged
 from smd_cli.stages import run_dirs, train, warm_cache
 from smd_cli.stages.checks import ConfigError
 

@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from smd_cli import agreement
+from smd_cli.failures import ParityFailed
 from smd_cli.io import write_json
-from smd_cli.parity import JUDGED, ParityFailed, Settings, check
+from smd_cli.parity import JUDGED, Settings, check
 from smd_cli.rollout import generate
 from smd_cli.stages.checks import ROOT, to_dict
 from smd_cli.stages.console import console

@@ -14,7 +14,6 @@ from smd_cli import distributed, integrity
 from smd_cli.io import seed_everything, write_provenance
 from smd_cli.stages.checks import ROOT, ConfigError, to_dict
 from smd_cli.stages.console import console
-from smd_cli.stages.model_loading import check_context
 
 
 @dataclass
@@ -48,7 +47,9 @@ def start_run(cfg: DictConfig) -> Run:
         overrides = list(HydraConfig.get().overrides.task)
     else:
         raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
-    if "model" in cfg and "task" in cfg:
+    if "model" in cfg and "task" in cfg:  # a stage with a model (`smd ablate` and `smd reproduce` start without transformers)
+        from smd_cli.stages.model_loading import check_context
+
         check_context(cfg)
     if world.size > 1:
         run_dir = _main_run_dir(run_dir)

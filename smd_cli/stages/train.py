@@ -33,15 +33,15 @@ from smd_cli import checkpoint as ckpt
 from smd_cli import distributed, eval_cache
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
+from smd_cli.failures import ParityFailed, TrainingDiverged
 from smd_cli.io import MetricsLog, read_jsonl, write_json
-from smd_cli.learner import Algorithm, TrainingDiverged, learner_step
+from smd_cli.learner import Algorithm, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.offload import Offload, offloaded
 from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
-from smd_cli.parity import ParityFailed
 from smd_cli.stages.checks import ConfigError, check, check_offload
 from smd_cli.stages.console import console
 from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory

@@ -14,8 +14,8 @@ from rich.markup import escape
 
 from smd_cli import checkpoint as ckpt
 from smd_cli import collapse, distributed
+from smd_cli.failures import TrainingDiverged
 from smd_cli.io import read_jsonl, write_json
-from smd_cli.learner import TrainingDiverged
 from smd_cli.stages.checks import ConfigError, to_dict
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import lock_run_dir
