@@ -27,8 +27,13 @@ LOGGED_EXACTLY = ("reward", "reward_std", "frac_reward_zero_std", "completions/m
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # one warm start for every run of the module
+def cache(tmp_path_factory, worker_id):
+    """One warm start for every run of the module, shared by the xdist workers that run its tests (the warm-start
+    cache publishes atomically under a lock: tests/test_reliability.py races two runs on one)."""
+    root = tmp_path_factory.getbasetemp()
+    path = (root if worker_id == "master" else root.parent) / "distributed-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="module")
