@@ -61,7 +61,7 @@ def qwen3_4b() -> dict:
 def build(widths: dict, tokenizer, seed: int, dtype, device):
     """The model of `widths` as `smd_cli.stages.model_loading.load_model` builds `model.config` (its own vocabulary wins)."""
     fields = {"vocab_size": len(tokenizer), **widths}
-    return build_tiny_model(fields.pop("vocab_size"), seed=seed, dtype=dtype, device=device, **fields).eval()
+    return build_tiny_model(fields.pop("vocab_size"), seed=seed, dtype=dtype, device=device, draw_once=True, **fields).eval()
 
 
 def prompts_for(tokenizer, prompts: int, width: int, vocab: int, repeats: int = 1, seed: int = 0) -> list[list[int]]:

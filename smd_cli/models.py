@@ -13,6 +13,7 @@ import contextlib
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers.initialization import no_init_weights
 
 from smd_cli import row_floor
 from smd_cli.attention import use_smd_attention
@@ -83,14 +84,26 @@ def tiny_config(**fields) -> Qwen3Config:
     return Qwen3Config(**base)
 
 
-def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu", **overrides) -> Qwen3ForCausalLM:
+def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.float32, device="cpu", draw_once: bool = False,
+                     **overrides) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 from `tiny_config(vocab_size=vocab_size, **overrides)`, reproducible from
-    `seed`, built on `device` in `dtype` directly (a 4B model never exists in float32), with the smd attention."""
+    `seed`, built on `device` in `dtype` directly (a 4B model never exists in float32), with the smd attention.
+    `draw_once`: each weight drawn once, by transformers' init alone (N(0, 0.02), norms 1), not first by torch's
+    default init of every layer and a second time by transformers': the same distributions, a third of the draws
+    (Qwen3-4B's embedding and one layer: 0.49 instead of 1.76 G numbers), other values for a seed than the tiny
+    model's, which keeps the draws its warm starts and recorded runs were made with."""
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), device:
         torch.manual_seed(seed)
         config = tiny_config(vocab_size=vocab_size, **overrides)
-        model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
+        with no_init_weights() if draw_once else contextlib.nullcontext():
+            model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
+        if draw_once:  # transformers' init of every module (tied first: no_init_weights leaves the head untied), the
+            model.tie_weights()  # output head tied to the embedding drawn once
+            head = model.get_output_embeddings() if config.tie_word_embeddings else None
+            for module in model.modules():
+                if module is not head:
+                    model._init_weights(module)
     model.generation_config.pad_token_id = 0
     return use_smd_attention(row_floor.apply(model))
 

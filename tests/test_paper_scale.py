@@ -46,6 +46,30 @@ def test_qwen3_4b_random_loads_at_the_papers_widths(tmp_path):
     assert len(tokenizer) <= c.vocab_size
 
 
+def test_an_architecture_of_its_own_draws_each_weight_once(monkeypatch):
+    """`draw_once` (what load_model gives `model=qwen3_4b_random`): one N(0, 0.02) draw per matrix entry, the tied
+    head drawn with the embedding, norms 1, reproducible from the seed; the tiny model's own build draws about three
+    times as many numbers (torch's init, then transformers')."""
+    drawn = []
+    for name in ("normal_", "uniform_"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _f=original, **k: drawn.append(t.numel()) or _f(t, *a, **k))
+    widths = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=1)
+    model = build_tiny_model(4096, seed=5, draw_once=True, **widths)
+    matrices = 4096 * 256 + 256 * 4 * 64 + 2 * 256 * 2 * 64 + 4 * 64 * 256 + 3 * 256 * 512  # embedding (= head), q k v o, mlp
+    assert sum(drawn) == matrices and model.lm_head.weight is model.model.embed_tokens.weight
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            assert abs(float(p.detach().std()) - 0.02) < 0.002 and abs(float(p.detach().mean())) < 0.002, name
+        else:
+            assert torch.equal(p.detach(), torch.ones_like(p)), name
+    again = build_tiny_model(4096, seed=5, draw_once=True, **widths)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    drawn.clear()
+    build_tiny_model(4096, seed=5, **widths)
+    assert sum(drawn) > 2.5 * matrices
+
+
 def test_the_hub_config_loads_a_local_checkpoint_offline(tmp_path):
     """model=qwen3_4b goes through from_pretrained; a save_pretrained directory stands in for the Hub."""
     tokenizer = build_tiny_tokenizer()
