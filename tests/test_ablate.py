@@ -265,13 +265,14 @@ def test_seeded_sweep_in_parallel_with_joblib_writes_means_and_standard_errors(t
 
 @pytest.mark.slow
 def test_submitit_launcher_runs_a_member(tmp_path):
-    """The cluster launcher (submitit, here its local executor): the member runs as a submitit job."""
+    """The cluster launcher (submitit, here its local executor): the member runs as a submitit job (one run: the two
+    values compose to one config)."""
     out = tmp_path / "ablate"
-    done = run_cli("ablate", "lambda=0.0,0.5", "algo=smd", *TINY, "hydra/launcher=submitit_local", f"hydra.run.dir={out}",
+    done = run_cli("ablate", "lambda=0.5,0.50", "algo=smd", *TINY, "hydra/launcher=submitit_local", f"hydra.run.dir={out}",
                    tmp_path=tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = list(csv.DictReader((out / "ablation.csv").open()))
-    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["status"] for r in rows] == ["ok", "ok"] and len({r["dir"] for r in rows}) == 1
     assert any((out / "runs" / ".submitit").rglob("*_result.pkl"))  # what submitit itself wrote for each job
 
 
