@@ -98,10 +98,10 @@ def build_tiny_model(vocab_size: int, seed: int = 0, dtype: torch.dtype = torch.
         config = tiny_config(vocab_size=vocab_size, **overrides)
         with no_init_weights() if draw_once else contextlib.nullcontext():
             model = Qwen3ForCausalLM(config).float() if dtype == torch.float32 else Qwen3ForCausalLM._from_config(config, dtype=dtype)
-        if draw_once:  # transformers' init of every module (tied first: no_init_weights leaves the head untied), the
-            model.tie_weights()  # output head tied to the embedding drawn once
+        if draw_once:
+            model.tie_weights()  # no_init_weights left the head untied
             head = model.get_output_embeddings() if config.tie_word_embeddings else None
-            for module in model.modules():
+            for module in model.modules():  # transformers' init of each; a tied head is the embedding, drawn once
                 if module is not head:
                     model._init_weights(module)
     model.generation_config.pad_token_id = 0

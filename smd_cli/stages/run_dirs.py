@@ -47,7 +47,7 @@ def start_run(cfg: DictConfig) -> Run:
         overrides = list(HydraConfig.get().overrides.task)
     else:
         raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
-    if "model" in cfg and "task" in cfg:  # a stage with a model (`smd ablate` and `smd reproduce` start without transformers)
+    if "model" in cfg and "task" in cfg:  # imported here: `smd reproduce` (no model) starts without transformers
         from smd_cli.stages.model_loading import check_context
 
         check_context(cfg)
