@@ -49,7 +49,6 @@ def test_a_sweeps_launcher_workers_never_import_torch():
     assert done.stdout.strip() == "[]"
 
 
-
 def test_smd_reproduce_starts_without_transformers():
     """`smd reproduce` starts `smd ablate` processes and writes the report: the CLI names the engine's failures
     (`smd_cli.failures`) without importing the engine, so transformers (seconds at each start) is never loaded."""
