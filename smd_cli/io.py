@@ -46,9 +46,8 @@ def package_versions() -> dict[str, str]:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
-    import torch
-
-    versions["cuda"] = torch.version.cuda or "none"
+    torch = sys.modules.get("torch")  # every stage that computes has loaded it; a sweep (`smd ablate`) never does
+    versions["cuda"] = (torch.version.cuda or "none") if torch else "not loaded (this process ran no torch)"
     return versions
 
 

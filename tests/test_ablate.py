@@ -290,6 +290,8 @@ def test_ablate_cli_failed_runs_exit_1_with_the_reason(tmp_path):
     for r in rows:
         assert r["error"].startswith(f"config error: model.tokenizer='{r['model.tokenizer']}': could not load its tokenizer")
     assert (out / "ablation.png").is_file() and json.loads((out / "summary.json").read_text())["failed"]
+    # the sweep's own process loaded no torch (its members did): `run_dirs.open_sweep_dir`
+    assert json.loads((out / "provenance.json").read_text())["versions"]["cuda"] == "not loaded (this process ran no torch)"
 
 
 def test_console_tables_do_not_break_words_at_140_columns(tmp_path, monkeypatch):

@@ -37,13 +37,13 @@ def test_stages_do_not_import_each_other():
         assert used <= STAGE_HELPERS, f"stages/{name}.py imports stages {sorted(used - STAGE_HELPERS)}"
 
 
-def test_a_sweeps_launcher_workers_never_import_torch():
-    """A joblib worker of `smd ablate` runs `sweep.run_member`, which starts each member as an `smd train` process: it
-    checks configs and files only, so it imports neither torch nor transformers (seconds and hundreds of MB each)."""
+def test_a_sweep_and_its_launcher_workers_never_import_torch():
+    """`smd ablate` and a joblib worker of it (`sweep.run_member`, which starts each member as an `smd train` process)
+    check configs and files only, so they import neither torch nor transformers (seconds and hundreds of MB each)."""
     import subprocess
     import sys
 
-    code = ("import sys, smd_cli.stages.sweep, smd_cli.sweep_tables, smd_cli.stages.rules;"
+    code = ("import sys, smd_cli.stages.ablate, smd_cli.stages.sweep, smd_cli.sweep_tables, smd_cli.stages.rules;"
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert done.stdout.strip() == "[]"

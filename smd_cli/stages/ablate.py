@@ -4,7 +4,8 @@ values, run through Hydra's launcher, then one table and one plot.
 The sweep is `ablate.sweep` (a recipe's, e.g. `+recipe=ablate_lambda`) with the command line's `KEY=v1,v2`
 on top: a key swept there replaces the recipe's values, and a plain `KEY=v` fixes a swept key to v. Every
 member's config is composed before anything runs, so a wrong key or option stops the sweep at once
-(`config error: ...`, exit 2). Members run in `ablate.runs_dir` (default `RUN/runs/`) through
+(`config error: ...`, exit 2); what needs the model (its architecture, prompts within its positions) each member
+checks when it starts, so the sweep's own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
 `hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs
 directory, skips the members already finished there. A member that fails does not stop the others: the
 table gives its reason, and once all are done the sweep exits with status 1 (`AblationFailed`). Outputs:
@@ -25,7 +26,7 @@ from smd_cli.io import write_json
 from smd_cli.stats import aggregate
 from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.console import console
-from smd_cli.stages.run_dirs import start_run
+from smd_cli.stages.run_dirs import open_sweep_dir
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
 from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
@@ -51,8 +52,8 @@ def validate(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
     sweep, members = plan(cfg, user_overrides(cfg))  # every run's config composes, before the first one starts
-    run_ = start_run(cfg)
-    runs_dir = Path(cfg.ablate.runs_dir) if cfg.ablate.get("runs_dir") else run_.dir / "runs"
+    sweep_dir = open_sweep_dir(cfg)
+    runs_dir = Path(cfg.ablate.runs_dir) if cfg.ablate.get("runs_dir") else sweep_dir / "runs"
     try:
         integrity.make_dir(runs_dir, "the sweep's runs")
     except integrity.Unwritable as err:
@@ -67,8 +68,8 @@ def run(cfg: DictConfig) -> dict:
     metrics = list(cfg.ablate.metrics)
     rows = [row(m, runs_dir, metrics, reused=m.identity in done) for m in members]
     keys = [k for k, _ in sweep] + weights_key(rows)  # + weights when the runs ran different ones: never averaged together
-    write_table(run_.dir, rows, keys, metrics)
-    write_plot(run_.dir, rows, cfg.ablate.plot_metric)
+    write_table(sweep_dir, rows, keys, metrics)
+    write_plot(sweep_dir, rows, cfg.ablate.plot_metric)
     failed = [r for r in rows if r["status"] not in ("ok", "collapsed")]
     fallen = [r for r in rows if r["status"] == "collapsed"]
     result = {"runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed], "collapsed": [r["run"] for r in fallen],
@@ -80,10 +81,10 @@ def run(cfg: DictConfig) -> dict:
         groups = aggregate([{**r, "status": "ok" if r["status"] == "collapsed" else r["status"]} for r in rows], rest, metrics)
         for g in groups:
             g["collapsed"] = sum(r["status"] == "collapsed" and all(str(r[k]) == str(g[k]) for k in rest) for r in rows)
-        write_means(run_.dir, groups, rest, metrics, over, cfg.ablate.plot_metric)
+        write_means(sweep_dir, groups, rest, metrics, over, cfg.ablate.plot_metric)
         result["aggregated"] = {"over": over, "keys": rest, "groups": groups}
-    write_json(run_.dir / "summary.json", result)
-    console.print(f"ablation written to {run_.dir}/ablation.md and ablation.png" + (" (and ablation_mean.*)" if over else ""))
+    write_json(sweep_dir / "summary.json", result)
+    console.print(f"ablation written to {sweep_dir}/ablation.md and ablation.png" + (" (and ablation_mean.*)" if over else ""))
     if fallen:
         listed = "; ".join(f"{r['run']}: {r['status_reason']}" for r in fallen)
         Console(stderr=True).print(f"[red]ablate: {len(fallen)} of {len(rows)} runs collapsed[/red] (their numbers are in the "
@@ -91,7 +92,7 @@ def run(cfg: DictConfig) -> dict:
     if failed:
         listed = "; ".join(f"{r['run']}: {r['error']}" for r in failed)
         message = (f"{len(failed)} of {len(rows)} runs failed ({listed}); the table, csv, plot and summary.json are "
-                   f"in {run_.dir}, each failed run's output in its console.log")
+                   f"in {sweep_dir}, each failed run's output in its console.log")
         Console(stderr=True).print(f"[red]ablate failed:[/red] {escape(message)}", highlight=False)
         raise AblationFailed(message)
     return result

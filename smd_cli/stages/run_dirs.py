@@ -1,19 +1,25 @@
-"""A stage's start: seed, device, torchrun's process group, and its run directory (locked, with its provenance)."""
+"""A stage's start: seed, device, torchrun's process group, and its run directory (locked, with its provenance).
+
+torch is imported by the functions that use it, so that `smd ablate` (`open_sweep_dir`), which only launches and
+reads runs, never loads it."""
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from smd_cli import distributed, integrity
+from smd_cli import integrity
 from smd_cli.io import seed_everything, write_provenance
 from smd_cli.stages.checks import ROOT, ConfigError, to_dict
 from smd_cli.stages.console import console
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -25,6 +31,10 @@ class Run:
 
 def pick_device(cfg: DictConfig) -> torch.device:
     """The device of `cfg.device` (auto: CUDA when present); under torchrun on CUDA, the local rank's GPU."""
+    import torch
+
+    from smd_cli import distributed
+
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device='cuda' but no CUDA device is available; use device=cpu or device=auto")
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
@@ -35,18 +45,16 @@ def pick_device(cfg: DictConfig) -> torch.device:
 def start_run(cfg: DictConfig) -> Run:
     """Seed, pick the device, join torchrun's process group when launched by it, and write the resolved config,
     overrides, git commit, versions and world size (rank 0: every rank uses rank 0's run directory)."""
+    import torch
+
+    from smd_cli import distributed
+
     threads = cfg.get("threads")  # the values were checked by the stage's `validate` (`smd_cli.stages.rules`)
     if threads:
         torch.set_num_threads(threads)
     device = pick_device(cfg)
     world = distributed.init(device)
-    if cfg.get("run_dir"):  # set by tests and by `smd ablate` for each of its runs
-        run_dir, overrides = Path(cfg.run_dir), list(cfg.get("overrides") or [])
-    elif HydraConfig.initialized():
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        overrides = list(HydraConfig.get().overrides.task)
-    else:
-        raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
+    run_dir, overrides = run_dir_of(cfg)
     if "model" in cfg and "task" in cfg:  # imported here: `smd reproduce` (no model) starts without transformers
         from smd_cli.stages.model_loading import check_context
 
@@ -61,9 +69,31 @@ def start_run(cfg: DictConfig) -> Run:
     return Run(run_dir, seed_everything(cfg.seed), device)
 
 
+def open_sweep_dir(cfg: DictConfig) -> Path:
+    """`smd ablate`'s own directory, locked, with its config and provenance. A sweep only launches and reads runs: it
+    picks no device, joins no process group and checks no model (each member checks its own when it starts,
+    `start_run`), so it starts without torch or transformers."""
+    run_dir, overrides = run_dir_of(cfg)
+    lock_run_dir(run_dir)
+    write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": 1, "backend": None})
+    return run_dir
+
+
+def run_dir_of(cfg: DictConfig) -> tuple[Path, list[str]]:
+    """(run directory, the command line's overrides): `run_dir` when set (tests, and `smd ablate` for each of its
+    runs), else Hydra's output directory."""
+    if cfg.get("run_dir"):
+        return Path(cfg.run_dir), list(cfg.get("overrides") or [])
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir), list(HydraConfig.get().overrides.task)
+    raise ConfigError("run_dir is not set: run through `smd STAGE` or compose with +run_dir=DIR")
+
+
 def _main_run_dir(mine: Path) -> Path:
     """Rank 0's run directory for every rank (Hydra's timestamped default may differ by a second between ranks);
     a directory Hydra made for this rank alone, holding only its own config and log, is removed."""
+    from smd_cli import distributed
+
     main = Path(distributed.gather_objects(str(mine))[0])
     if main != mine and mine.is_dir() and all(p.name == ".hydra" or p.suffix == ".log" for p in mine.iterdir()):
         shutil.rmtree(mine, ignore_errors=True)
