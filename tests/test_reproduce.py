@@ -212,7 +212,7 @@ def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
     # look 2 decides every claim on tis (far below the others) and on lambda; the ties of the dense cache go on to the cap
     assert asked[2:] == [("main_table", {"task": "vote", "algo": "dense,naive_sparse,smd", "seed": "5,6,7"})]
     assert added == 4 * 2 + 3 * 2 + 3 * 3
-    assert rounds.startswith("to 5 seeds: 14 runs") and "to 8 seeds: 9 runs" in rounds
+    assert rounds.startswith("to 5 seeds: 14 table entries") and "to 8 seeds: 9 table entries" in rounds
     sweeps = reproduce.read_tables(tables, root)
     found = {(f.claim, f.view): f for f in claims.policies(sweeps, rule)}
     beats = found[("SMD beats naive compression", "under eviction")]

@@ -254,7 +254,8 @@ def read_tables(tables: dict[str, str], root: Path) -> dict[str, Sweep]:
 
 def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, seq: Sequential) -> tuple[int, str]:
     """Seeds until decided: judge the claims, give every cell of an undecided claim the seeds of its next look, again
-    until no claim is undecided below its cap. Returns the runs asked for and one line per round for the report
+    until no claim is undecided below its cap. Returns the table entries asked for (a run that tables share counts once
+    per table) and one line per round for the report
     (also kept in ROOT/rounds.json, so that a report-only invocation says the same)."""
     path, asked, lines = root / "rounds.json", 0, []
     history = json.loads(path.read_text()) if path.is_file() else []
@@ -269,12 +270,12 @@ def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, s
         runs = sum(e.runs for e in extensions)
         target = max(wanted.values())
         console.print(f"seeds until decided: {undecided} verdicts undecided; {len(wanted)} cells to {target} seeds, "
-                      f"{runs} runs (finished ones are reused)", highlight=False)
+                      f"{runs} table entries (finished runs are reused; a run that tables share runs once)", highlight=False)
         for e in extensions:
             recipe = tables[e.role]
             run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe / "seeds" / e.label, e.overrides()))
         asked += runs
-        lines.append(f"to {target} seeds: {runs} runs for {undecided} undecided verdicts ({len(wanted)} cells)")
+        lines.append(f"to {target} seeds: {runs} table entries for {undecided} undecided verdicts ({len(wanted)} cells)")
         write_json(path, history + lines)
     rounds = history + lines
     return asked, "; ".join(rounds) if rounds else "none (every claim decided at the recipes' seeds, or no later look)"
