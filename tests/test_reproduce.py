@@ -265,6 +265,7 @@ def test_parity_is_judged_in_float64_when_measured(tmp_path):
     sweep = fake_sweep(tmp_path, "main", ["algo", "seed"], smd, steps=[{"step": 1}])  # no mismatch/mean_abs_diff per step
     [finding] = machinery.parity([sweep], None)
     assert finding.verdict == FAILS and "1.3e-05" in finding.evidence  # float32 alone: 1.3e-5 > 1e-5
+    assert "every step of 2 SMD runs" in machinery.parity([sweep, sweep], None)[0].evidence  # tables sharing a run: counted once
 
     def view(value, rounding=None):
         return {"max_abs_diff": value, "mean_abs_diff": value / 10, **({} if rounding is None else {"rounding": rounding})}
