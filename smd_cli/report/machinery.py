@@ -42,8 +42,9 @@ def parity(sweeps: list[Sweep], check: dict | None) -> list[Finding]:
     rounding), every eviction policy; the float32 numbers of every SMD training run and of the check are the rounding
     beside it. Without it: the training runs' float32 maximum against the float32 bound."""
     key = "train/mismatch/max_abs_diff_max"
-    runs = {r.dir: r for s in sweeps for r in s.runs if r.ok and isinstance(r.summary.get(key), (int, float))}.values()  # a run
-    smd = [r for r in runs if r.values.get("algo", "smd") == "smd"]  # that several tables share counts once
+    # a run that several tables share counts once
+    runs = {r.dir: r for s in sweeps for r in s.runs if r.ok and isinstance(r.summary.get(key), (int, float))}.values()
+    smd = [r for r in runs if r.values.get("algo", "smd") == "smd"]
     naive = [r for r in runs if r.values.get("algo") == "naive_sparse"]
     evidence = []
     if smd:
