@@ -1,15 +1,14 @@
 """`smd ablate KEY=v1,v2 ...`: one `smd train` (with its held-out evaluation) per combination of the swept
 values, run through Hydra's launcher, then one table and one plot.
 
-The sweep is `ablate.sweep` (a recipe's, e.g. `+recipe=ablate_lambda`) with the command line's `KEY=v1,v2`
-on top: a key swept there replaces the recipe's values, and a plain `KEY=v` fixes a swept key to v. Every
-member's config is composed before anything runs, so a wrong key or option stops the sweep at once
-(`config error: ...`, exit 2); what needs the model (its architecture, prompts within its positions) each member
-checks when it starts, so the sweep's own process never loads torch or transformers. Members run in
-`ablate.runs_dir` (default `RUN/runs/`) through `hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs
-directory, skips the members already finished there. A member that fails does not stop the others: the
-table gives its reason, and once all are done the sweep exits with status 1 (`AblationFailed`). Outputs:
-`ablation.{md,csv,png}` (one row per member), with a swept key of `ablate.aggregate_over` (`seed`)
+The sweep is `ablate.sweep` (a recipe's, e.g. `+recipe=ablate_lambda`) with the command line's `KEY=v1,v2` on top: a
+key swept there replaces the recipe's values, and a plain `KEY=v` fixes a swept key to v. Every member's config is
+composed before anything runs, so a wrong key or option stops the sweep at once (`config error: ...`, exit 2); what
+needs the model (its architecture, prompts within its positions) each member checks when it starts, so the sweep's
+own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
+`hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
+the members already finished there. A member that fails does not stop the others: the table gives its reason, and
+once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per member), with a swept key of `ablate.aggregate_over` (`seed`)
 `ablation_mean.{md,csv,png}` (mean and standard error over it), and `summary.json`.
 """
 
