@@ -8,8 +8,9 @@ needs the model (its architecture, prompts within its positions) each member che
 own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
 `hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
 the members already finished there. A member that fails does not stop the others: the table gives its reason, and
-once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per member), with a swept key of `ablate.aggregate_over` (`seed`)
-`ablation_mean.{md,csv,png}` (mean and standard error over it), and `summary.json`.
+once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per
+member), with a swept key of `ablate.aggregate_over` (`seed`) `ablation_mean.{md,csv,png}` (mean and standard error
+over it), and `summary.json`.
 """
 
 from __future__ import annotations
