@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/learner_memory.py                     # tiny widths, CPU (seconds)
     .venv/bin/python bench/learner_memory.py --paper             # the paper's widths and vocabulary, 2 layers (GB)
+    .venv/bin/python bench/learner_memory.py --model smollm2_135m --prompt 227 --response 12 --rows 8 --group 4
+                                                                 # a real model (conf/model/NAME.yaml) at the small scale's step
     .venv/bin/python bench/learner_memory.py --json out.json
 
 One evicting rollout (SnapKV, c = 0.5) of `rows` prompts, then on that batch:
@@ -75,10 +77,12 @@ def view_step(model, learner, batch, evict_at):
     return step
 
 
-def measure(size: dict, device: str, seed: int = 0) -> dict:
-    model = build_tiny_model(size["vocab"], seed=seed, num_hidden_layers=size["layers"], hidden_size=size["hidden"],
-                             intermediate_size=size["intermediate"], num_attention_heads=size["heads"],
-                             num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"], device=device).eval()
+def measure(size: dict, device: str, seed: int = 0, model=None) -> dict:
+    """`model`: a loaded model (its widths in `size`); None: a random one of `size`'s widths."""
+    if model is None:
+        model = build_tiny_model(size["vocab"], seed=seed, num_hidden_layers=size["layers"], hidden_size=size["hidden"],
+                                 intermediate_size=size["intermediate"], num_attention_heads=size["heads"],
+                                 num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"], device=device).eval()
     generator = torch.Generator(device=device).manual_seed(seed)
     group = size.get("group", 1)  # rows per prompt: the learner and the prefill compute a prompt once for its rows
     distinct = [torch.randint(3, size["vocab"], (size["prompt"] - i % 8,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -123,6 +127,11 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paper", action="store_true", help="the paper's widths and vocabulary (2 layers, P 1024, R 64, 4 rows)")
     parser.add_argument("--quick", action="store_true", help="a smaller batch (smoke test)")
+    parser.add_argument("--model", default=None, help="a model config (conf/model/NAME.yaml), e.g. smollm2_135m; default: random widths")
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: the size's)")
+    parser.add_argument("--response", type=int, default=None, help="response tokens (default: the size's)")
+    parser.add_argument("--rows", type=int, default=None, help="sequences in the batch (default: the size's)")
+    parser.add_argument("--group", type=int, default=None, help="rows per prompt (default: the size's)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -130,10 +139,23 @@ def main(argv=None) -> dict:
     size = dict(PAPER if args.paper else TINY)
     if args.quick:
         size.update(prompt=64, rows=8, group=min(size.get("group", 1), 4))
+    size.update({k: v for k in ("prompt", "response", "rows", "group") if (v := getattr(args, k)) is not None})
+    if size["rows"] % size["group"]:
+        parser.error(f"--rows {size['rows']} must be a multiple of --group {size['group']}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    result = measure(size, device)
+    model = None
+    if args.model:
+        from decode_speed import load_named  # bench/decode_speed.py, beside this script
+
+        model, vocab, weights = load_named(args.model)
+        model = model.to(device)
+        c = model.config
+        size.update(layers=c.num_hidden_layers, hidden=c.hidden_size, intermediate=c.intermediate_size, heads=c.num_attention_heads,
+                    kv_heads=c.num_key_value_heads, head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+                    vocab=vocab, model=args.model, weights=weights)
+    result = measure(size, device, model=model)
     mib = 2.0**20
-    print(f"learner memory, {device}: {size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, "
+    print(f"learner memory, {device}: {size.get('weights') or 'random weights'}, {size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, "
           f"{size['rows']} x (P {size['prompt']} + R {size['response']}), {size.get('group', 1)} row(s) per prompt, SnapKV c = 0.5 "
           f"(kept {result['kept_fraction']:.2f})")
     print(f"{'algorithm':14s} {'dynamic MiB':>12s} {'static MiB':>11s} {'dynamic / naive':>16s} {'total / naive':>14s}")

@@ -95,6 +95,9 @@ def test_claims_are_judged_by_their_rules(tmp_path):
               "algorithms": {"smd": {"dynamic_over_naive_sparse": 1.02}, "sparse_rl": {"total_over_naive_sparse": 1.01}},
               "views": {"snapkv": {"physical": {"over_dense": 1.4}, "shadow": {"over_dense": 1.01}}}}
     assert [f.verdict for f in machinery.memory(memory)] == [HOLDS, FAILS, HOLDS]
+    assert machinery.memory(memory)[0].scope == "2 layers x 64, vocab 541, cpu"
+    memory["size"] |= {"model": "smollm2_135m", "layers": 30, "hidden": 576, "vocab": 49152}  # bench/learner_memory.py --model
+    assert machinery.memory(memory)[0].scope == "smollm2_135m: 30 layers x 576, vocab 49152, cpu"
     report = write_report(tmp_path / "report", {"main": main_, "lambda": lam}, {"learner_memory": None, "step_overhead": []},
                           {"scale": "tiny", "commit": "abc"})
     text = report.read_text()

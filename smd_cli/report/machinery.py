@@ -83,6 +83,8 @@ def memory(bench: dict | None) -> list[Finding]:
     algos, views = bench["algorithms"], bench["views"]
     size = bench["size"]
     scope = f"{size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, {bench['device']}"
+    if size.get("model"):  # a real model's weights (bench/learner_memory.py --model), not random widths
+        scope = f"{size['model']}: {scope}"
     smd = algos["smd"]["dynamic_over_naive_sparse"]
     sparse_rl = algos["sparse_rl"]["total_over_naive_sparse"]
     physical, shadow = views["snapkv"]["physical"]["over_dense"], views["snapkv"]["shadow"]["over_dense"]

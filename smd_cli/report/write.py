@@ -321,7 +321,8 @@ def _memory_section(r: Report, bench: dict | None) -> None:
     if not bench:
         return
     size, mib = bench["size"], 2.0**20
-    r.text("## Learner memory", f"`python bench/learner_memory.py` on {bench['device']}: {size['layers']} layers x {size['hidden']}, "
+    model = f"{size['weights']}, " if size.get("weights") else ""
+    r.text("## Learner memory", f"`python bench/learner_memory.py` on {bench['device']}: {model}{size['layers']} layers x {size['hidden']}, "
            f"vocab {size['vocab']}, {size['rows']} sequences of P {size['prompt']} + R {size['response']}, SnapKV at 50 % "
            f"(kept {bench['kept_fraction']:.2f}). Dynamic = peak live tensor bytes of one learner step above what was held "
            "before it; static = weights, gradients, optimizer state (and Sparse-RL's frozen reference model). The paper: SMD "
