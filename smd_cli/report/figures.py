@@ -80,15 +80,22 @@ def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> P
     if not any("evidence/kept_l0" in row for r in sweep.select(**t) if r.ok for row in r.steps()[:1]):
         return None
     plt = _pyplot()
-    fig, axes = plt.subplots(1, layers, figsize=(5 * layers, 4), squeeze=False)
+    cols = min(layers, 6)  # a grid, not one row: SmolLM2's 30 layers in a row were 16500 pixels wide
+    rows = -(-layers // cols)
+    fig, grid = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharex=True, sharey=True)
+    axes = list(grid.flat)
     for algo in sweep.values("algo"):
         runs = [r for r in sweep.select(**t, algo=algo) if r.ok]
         for layer in range(layers):
-            _band(axes[0][layer], runs, f"evidence/kept_l{layer}", algo, COLORS.get(algo))
-    for layer, ax in enumerate(axes[0]):
-        ax.set(xlabel="step", ylabel="answer-bearing KV kept", title=f"layer {layer}", ylim=(0, 1.02))
-    return _finish(plt, fig, axes[0], f"{task}: answer-bearing KV entries kept by the sampler's eviction (mean and standard-error band "
-                   "over seeds)", out / f"evidence_{task or 'main'}.png")
+            _band(axes[layer], runs, f"evidence/kept_l{layer}", algo, COLORS.get(algo))
+    for layer, ax in enumerate(axes):
+        ax.set(title=f"layer {layer}", ylim=(0, 1.02)) if layer < layers else ax.set_visible(False)
+    for ax in grid[-1]:
+        ax.set(xlabel="step")
+    for ax in grid[:, 0]:
+        ax.set(ylabel="answer KV kept")
+    return _finish(plt, fig, axes[:1], f"{task or 'main table'}: answer-bearing KV entries kept by the sampler's eviction (mean and "
+                   "standard-error band over seeds; the legend in layer 0)", out / f"evidence_{task or 'main'}.png")
 
 
 def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
