@@ -89,7 +89,10 @@ def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> P
         for layer in range(layers):
             _band(axes[layer], runs, f"evidence/kept_l{layer}", algo, COLORS.get(algo))
     for layer, ax in enumerate(axes):
-        ax.set(title=f"layer {layer}", ylim=(0, 1.02)) if layer < layers else ax.set_visible(False)
+        if layer < layers:
+            ax.set(title=f"layer {layer}", ylim=(0, 1.02))
+        else:  # the grid's last row, past the last layer
+            ax.set_visible(False)
     for ax in grid[-1]:
         ax.set(xlabel="step")
     for ax in grid[:, 0]:
