@@ -157,6 +157,8 @@ def learner_phases(device, widths, rows, P, R, micro, dtype, optimizer: str = "a
                      "learner_peak_bytes": learner.peak, "learner_predicted_bytes": predicted.learner["peak"],
                      "static_predicted_bytes": predicted.static_bytes, "learner_seconds": seconds,
                      "mismatch_max_abs_diff": metrics["mismatch/max_abs_diff"], "loss": metrics["loss"]}
+        if hasattr(built, "close"):  # float32 masters: their gradient hooks go with them
+            built.close()
         del built
     out["smd_over_naive_sparse_learner"] = out["smd"]["learner_peak_bytes"] / out["naive_sparse"]["learner_peak_bytes"]
     out["ok"] = all(torch.isfinite(torch.tensor(out[n]["loss"])) for n in ("naive_sparse", "smd")) and out["smd_over_naive_sparse_learner"] <= 1.05

@@ -23,6 +23,8 @@ The registered mask function hands the 2-D padding mask [B, S] through unchanged
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,17 @@ def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv
 
 AttentionInterface.register(ATTENTION, smd_attention)
 AttentionMaskInterface.register(ATTENTION, _padding_mask)
+
+
+def cache_argument(model, cache) -> dict:
+    """`model(...)`'s keyword for a KV cache: `cache` from transformers 5.2x on, `past_key_values` before (5.17 ignores
+    `cache=` silently and would decode every step without its cache)."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def use_smd_attention(model):

@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from smd_cli import row_floor
-from smd_cli.attention import use_smd_attention
+from smd_cli.attention import cache_argument, use_smd_attention
 from smd_cli.kv_quant import CacheReads
 from smd_cli.shadow import Replay, position_ids_from_mask
 
@@ -63,7 +63,7 @@ def physical_response_logits(model, input_ids, attention_mask, prompt_length: in
         out = model(
             input_ids=input_ids[:, start:stop],
             position_ids=position_ids[:, start:stop],
-            cache=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1 if start == 0 else 0,
             shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns, quant=quant if start else None),

@@ -28,12 +28,13 @@ class MasterWeights:
     def __init__(self, model: torch.nn.Module, make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]):
         self.model = model
         self.pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self._hooks = []
         for param in model.parameters():
             if not param.requires_grad:
                 continue
             master = torch.nn.Parameter(param.detach().float().clone())
             master.grad = torch.zeros_like(master)
-            param.register_post_accumulate_grad_hook(self._accumulate_into(master))
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate_into(master)))
             self.pairs.append((param, master))
         self.optimizer = make_optimizer([master for _, master in self.pairs])
 
@@ -44,6 +45,13 @@ class MasterWeights:
             param.grad = None
 
         return hook
+
+    def close(self) -> None:
+        """Detach from the model: its hooks go (each holds a master and its gradient), so another optimizer can be
+        built on the same model and this one's float32 state can be freed."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     @property
     def param_groups(self):

@@ -38,7 +38,7 @@ from smd_cli.eviction.base import EvictionPolicy
 from smd_cli.eviction.none import KeepAll
 from smd_cli.kv_quant import CacheReads, check_kind
 from smd_cli.models import fixed_weights
-from smd_cli.attention import use_smd_attention
+from smd_cli.attention import cache_argument, use_smd_attention
 from smd_cli.rollout_attention import RolloutState
 from smd_cli.sampling import MAX_SUPPORT, OUTSIDE, Kept, Support, SupportLog, choose, kept_mask, logprob, scaled
 from smd_cli.scoring import prompt_groups
@@ -154,7 +154,7 @@ def _progress(enabled: bool, total: int):
 def dense_kv_bytes(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> int:
     """Bytes a dense `DynamicCache` holds after the same tokens (its peak: it only grows), measured."""
     cache = DynamicCache(config=model.config)
-    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), cache=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask), **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
     return kv_bytes(cache)
 
 
@@ -211,7 +211,7 @@ class _Run:
             feed = dict(input_ids=self.feed_ids, position_ids=self.feed_positions)
         if self.state is None:
             feed["attention_mask"] = self.attention_mask[prefill_rows, :column]
-            logits = model(**feed, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(**feed, **cache_argument(model, self.cache), use_cache=True, logits_to_keep=1).logits[:, -1]
             if step == 0 and self.groups is not None:  # every sample of a prompt continues from its prefill's cache
                 for layer in self.cache.layers:
                     layer.keys, layer.values = layer.keys[self.groups[1]], layer.values[self.groups[1]]
@@ -219,7 +219,7 @@ class _Run:
             self.cache.begin_step(column - 1, self.attention_mask[:, column - 1].bool())
 
             def run():
-                return model(**feed, rollout_state=self.state, cache=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+                return model(**feed, rollout_state=self.state, **cache_argument(model, self.cache), use_cache=True, logits_to_keep=1).logits[:, -1]
 
             if step == 0 or self.graphs is None:
                 logits = run()

@@ -105,3 +105,19 @@ def test_smd_parity_in_bf16_is_kernel_rounding(tiny_tokenizer):
         dense = (token_logprobs(response_logits(*args), tokens) - batch.logprobs)[mask].abs().max()
     print(f"bf16 parity: shadow {float(shadow):.3e}, dense mismatch {float(dense):.3e}")
     assert shadow <= 0.05 and dense > 10 * shadow
+
+
+def test_a_closed_master_optimizer_lets_another_be_built_on_the_same_model(tiny_tokenizer):
+    """Two optimizers over one bf16 model, one after the other (bench/gpu_check.py's learner check does this): the
+    first one's gradient hooks go with `close()`, else the second step reads a bf16 gradient the first hook has
+    already freed (the TypeError the first GPU run met) and the first masters' float32 state is never freed."""
+    model = bf16_model(tiny_tokenizer)
+    first = build_optimizer(model, lambda params: torch.optim.AdamW(params, lr=1e-6))
+    learner_step(model, first, rollout(model, tiny_tokenizer), ADVANTAGES, Algorithm("dense"))
+    first.close()
+    held = [m.grad.clone() for _, m in first.pairs]
+    second = build_optimizer(model, lambda params: torch.optim.AdamW(params, lr=1e-6))
+    before = [m.detach().clone() for _, m in second.pairs]
+    learner_step(model, second, rollout(model, tiny_tokenizer, seed=1), ADVANTAGES, Algorithm("dense"))
+    assert min(float((m.detach() != b).float().mean()) for (_, m), b in zip(second.pairs, before) if b.dim() == 2) > 0.5
+    assert all(torch.equal(m.grad, h) for (_, m), h in zip(first.pairs, held))  # the closed one is fed no more

@@ -522,3 +522,20 @@ def test_smd_rollout_saves_the_kept_sets_that_its_views_score(tmp_path):
     for (n, r) in mask.nonzero().tolist():
         kept = ids[start[n, r] : start[n, r] + 5].tolist()
         assert len(set(kept)) == 5 and tokens[n, r].item() in kept
+
+
+def test_the_cache_goes_by_the_keyword_the_models_forward_takes():
+    """transformers renamed `past_key_values` to `cache` (5.2x); 5.17 (a GPU image's) ignores `cache=` and decodes every
+    step without its cache. The keyword is read from the model class's own signature."""
+    from smd_cli.attention import cache_argument
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, **kwargs):
+            return past_key_values
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return cache
+
+    assert cache_argument(Old(), "kv") == {"past_key_values": "kv"}
+    assert cache_argument(New(), "kv") == {"cache": "kv"}
