@@ -28,7 +28,7 @@ from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import open_sweep_dir
 from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
+from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, stand_ins, user_overrides
 from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
 
 
@@ -58,6 +58,12 @@ def run(cfg: DictConfig) -> dict:
         integrity.make_dir(runs_dir, "the sweep's runs")
     except integrity.Unwritable as err:
         raise ConfigError(f"ablate.runs_dir={str(runs_dir)!r} is not allowed: {err}") from None
+    if cfg.ablate.reuse_fixed_prompts:
+        members, fixed = stand_ins(members, runs_dir)
+        if fixed:
+            console.print(f"ablate: {len(fixed)} runs finished with eval.prompts=fixed (every seed the same held-out prompts, as "
+                          "every run recorded before eval.prompts) stand for their members: their verdicts are about those "
+                          "prompts (ablate.reuse_fixed_prompts=false runs them again, each seed on its own)", highlight=False)
     runs = distinct(members)
     done = {m.identity for m in runs if finished(runs_dir / m.name, m)}
     pending = [m for m in runs if m.identity not in done]

@@ -42,7 +42,7 @@ from smd_cli.stages.checks import ROOT, ConfigError, check
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import distinct, finished, plan
+from smd_cli.stages.sweep import distinct, finished, plan, stand_ins
 from smd_cli.stats import Sequential
 
 HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
@@ -97,6 +97,8 @@ def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, r
         overrides = sweep_overrides(cfg, scale, recipe, root)
         ablate_cfg = compose(config_name="ablate", overrides=overrides)
         sweep, combos = plan(ablate_cfg, [o for o in overrides if not o.startswith("ablate.")])
+        if ablate_cfg.ablate.reuse_fixed_prompts:  # what `smd ablate` will reuse: runs recorded with the fixed held-out prompts
+            combos = stand_ins(combos, root / "members")[0]
         members = distinct(combos)
         shared = [m for m in members if m.identity in seen]
         done = [m for m in members if m.identity not in seen and finished(root / "members" / m.name, m)]
