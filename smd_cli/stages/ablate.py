@@ -7,7 +7,8 @@ composed before anything runs, so a wrong key or option stops the sweep at once 
 needs the model (its architecture, prompts within its positions) each member checks when it starts, so the sweep's
 own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
 `hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
-the members already finished there. A member that fails does not stop the others: the table gives its reason, and
+the members already finished there, and a finished run of a member's config with the fixed held-out prompts (every run
+recorded before `eval.prompts`) stands for it (`ablate.reuse_fixed_prompts`; its verdicts are about those prompts). A member that fails does not stop the others: the table gives its reason, and
 once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per
 member), with a swept key of `ablate.aggregate_over` (`seed`) `ablation_mean.{md,csv,png}` (mean and standard error
 over it), and `summary.json`.

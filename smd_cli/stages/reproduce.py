@@ -11,9 +11,11 @@ the claims are judged from the runs there are, and every cell of a claim still u
 look, through `smd ablate +recipe=NAME KEY=v ... seed=a,b` (printed as it runs; finished runs are reused), until
 every claim is decided or at its cap. Then `smd check-parity` (every eviction policy, float32 and float64) and the
 benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`) write their JSON, and `smd_cli.report` writes
-REPORT.md with its CSVs and PNGs. A failed
-run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
-result it finds, and reaches the same seeds (the verdicts are a function of the runs).
+REPORT.md with its CSVs and PNGs, and copies the JSON it read besides the runs into OUT/records/ (`keep_records`). A
+failed run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
+result it finds, and reaches the same seeds (the verdicts are a function of the runs). A finished run recorded with the
+fixed held-out prompts (every run from before `eval.prompts`) stands for its member (`sweep.stand_ins`), and the report
+says that its verdicts are about those prompts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from smd_cli import lifetime
+from smd_cli.integrity import write_file
 from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
@@ -230,6 +233,7 @@ def run(cfg: DictConfig) -> dict:
         report = write_report(out, read_tables(tables, root), bench, header, seq)
     except WeightsDiffer as err:  # the network chose the weights run by run (model.source=auto)
         raise ConfigError(str(err)) from None
+    keep_records(root, out)
     failed = {role: code for role, code in outcomes.items() if code}
     console.print(f"report written to {report}" + (f"; tables with failed runs: {', '.join(failed)}" if failed else ""))
     return {"report": str(report), "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()}, "failed_tables": failed}
@@ -312,6 +316,18 @@ def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
         console.print("[yellow]warning:[/yellow] smd check-parity wrote no parity.json: the parity claim reads the runs alone")
         return None
     return json.loads(path.read_text())
+
+
+RECORDS = ("bench/*.json", "bench/check_parity/parity.json", "rounds.json", "timing.json")  # what the report reads besides the runs
+
+
+def keep_records(root: Path, out: Path) -> None:
+    """Copy what the report read besides the runs (the benchmarks' and the parity check's JSON, the rounds of seeds added,
+    the invocations' times) into OUT/records/, in ROOT's layout: copied back into a runs directory with the runs' own
+    records, `smd reproduce` skips every benchmark and reaches the same report (results/reproduce_small/members/README.md)."""
+    for pattern in RECORDS:
+        for path in sorted(root.glob(pattern)):
+            write_file(out / "records" / path.relative_to(root), path.read_bytes())
 
 
 def record_time(root: Path, started: float, ran: int) -> float | None:
