@@ -131,7 +131,7 @@ def _header(header: dict, sweeps: dict[str, Sweep], rule: Sequential) -> list[st
         f"{', '.join(map(str, rule.looks))} seeds (the cap {rule.cap}), each table's recipe giving the first",
         f"- {len(runs)} training runs for {listed} table entries (a run that several tables share ran once); "
         + (f"wall time of the invocation(s) that ran them, benchmarks included, {wall / 60:.1f} min" if isinstance(wall, (int, float))
-           else "wall time not recorded"),
+           else "no invocation here ran a training run (every run's record was reused): their wall time is not recorded here"),
     ]
     if header.get("prediction"):
         lines.append(f"- cost model (`conf/reproduce.yaml` `cost`, README): {header['prediction']}")

@@ -210,16 +210,18 @@ def run(cfg: DictConfig) -> dict:
     with open_dict(cfg):
         cfg.run_dir, cfg.overrides = str(root), list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     start_run(cfg)
+    recorded = outcomes_recorded(root)
     outcomes = {}
     for role, recipe in tables.items():
         outcomes[role] = run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe))
         if not (root / "sweeps" / recipe / "summary.json").is_file():  # 1: some runs failed (in the table); the rest go on
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
-    added, rounds = add_seeds(cfg, scale, tables, root, seq)
+    rounds = add_seeds(cfg, scale, tables, root, seq)[1]
     which = f"{scale}_quick" if cfg.quick else scale  # the benchmarks and parity check of this scale, or of its quick check
     bench = run_benchmarks(cfg, which, root / "bench")
     bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity")
-    seconds = record_time(root, started, pending + added)
+    ran = sum(stamp != recorded.get(name) for name, stamp in outcomes_recorded(root).items())  # runs this invocation ran
+    seconds = record_time(root, started, ran)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     extra = [o for o in cfg.overrides if o.split("=")[0] not in ("small", "paper", "quick")]  # a subset, other looks, ...: said
     args = f" ARGS=\"{' '.join(extra)}\"" if extra else ""
@@ -328,6 +330,11 @@ def keep_records(root: Path, out: Path) -> None:
     for pattern in RECORDS:
         for path in sorted(root.glob(pattern)):
             write_file(out / "records" / path.relative_to(root), path.read_bytes())
+
+
+def outcomes_recorded(root: Path) -> dict[str, int]:
+    """Each member directory's member.json (the outcome of a run that ran: finished or failed) by its modification time."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in (root / "members").glob("*/member.json")}
 
 
 def record_time(root: Path, started: float, ran: int) -> float | None:
