@@ -338,3 +338,20 @@ def test_a_bad_sequential_rule_is_a_config_error(capsys):
         with pytest.raises(SystemExit) as done:
             main(["reproduce", bad, "dry_run=true"])
         assert done.value.code == 2 and why in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_reports_records_are_kept_beside_it_in_the_runs_layout(tmp_path):
+    """What the report reads besides the runs (benchmark and parity JSON, the invocations' times) is copied to OUT/records/
+    in ROOT's layout, so that copying it back (with the members) makes `smd reproduce` skip every benchmark."""
+    from smd_cli.stages import reproduce
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    files = {"bench/learner_memory_0.json": "{}", "bench/check_parity/parity.json": '{"policies": {}}', "timing.json": "[]",
+             "rounds.json": '["to 5 seeds"]', "members/x/summary.json": "{}"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    reproduce.keep_records(root, out)
+    kept = sorted(str(p.relative_to(out / "records")) for p in (out / "records").rglob("*") if p.is_file())
+    assert kept == ["bench/check_parity/parity.json", "bench/learner_memory_0.json", "timing.json"]  # rounds: recomputed from the runs
+    assert (out / "records" / "bench" / "check_parity" / "parity.json").read_text() == '{"policies": {}}'

@@ -320,13 +320,14 @@ def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
     return json.loads(path.read_text())
 
 
-RECORDS = ("bench/*.json", "bench/check_parity/parity.json", "rounds.json", "timing.json")  # what the report reads besides the runs
+RECORDS = ("bench/*.json", "bench/check_parity/parity.json", "timing.json")  # what the report reads besides the runs and the rounds
 
 
 def keep_records(root: Path, out: Path) -> None:
-    """Copy what the report read besides the runs (the benchmarks' and the parity check's JSON, the rounds of seeds added,
-    the invocations' times) into OUT/records/, in ROOT's layout: copied back into a runs directory with the runs' own
-    records, `smd reproduce` skips every benchmark and reaches the same report (results/reproduce_small/members/README.md)."""
+    """Copy what the report read besides the runs (the benchmarks' and the parity check's JSON, the invocations' times)
+    into OUT/records/, in ROOT's layout: copied back into a runs directory with the runs' own records, `smd reproduce`
+    skips every benchmark and reaches the same report (results/reproduce_small/members/README.md). The rounds of seeds
+    added are not kept: a function of the runs, they come out the same again."""
     for pattern in RECORDS:
         for path in sorted(root.glob(pattern)):
             write_file(out / "records" / path.relative_to(root), path.read_bytes())
