@@ -201,9 +201,9 @@ def held_out_ids(draw: str, seeds: int = 8, n: int = 32) -> list[list[str]]:
     """The ids of the held-out prompts each seed's runs evaluate, as `smd train` draws them (`prompts.held_out_examples`
     on its composed config and task), for `eval.prompts=draw`: passkey, N = 32, seeds 0 .. seeds - 1."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfgs = [compose("train", overrides=["task=passkey", f"seed={s}", f"eval.num_prompts={n}", f"eval.prompts={draw}"])
-                for s in range(seeds)]
-    return [[e["id"] for e in held_out_examples(build_task(c), c.eval.num_prompts, c.seed, c.eval.prompts)] for c in cfgs]
+        cfg = compose("train", overrides=["task=passkey", f"eval.num_prompts={n}", f"eval.prompts={draw}"])
+    task = build_task(cfg)  # train.py: held_out_examples(task, cfg.eval.num_prompts, cfg.seed, cfg.eval.prompts), seed by seed
+    return [[e["id"] for e in held_out_examples(task, cfg.eval.num_prompts, s, cfg.eval.prompts)] for s in range(seeds)]
 
 
 def interaction(ids: list[list[str]], spread: float, trials: int = 10_000, seed: int = 0, base: float = 0.5, tails: bool = False,
