@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from smd_cli.integrity import MANIFEST, DiskFull, Unwritable, verify, write_dir
+from smd_cli.integrity import MANIFEST, DiskFull, FileTooLarge, Unwritable, WriteFailed, append_line, verify, write_dir
 from smd_cli.io import to_json
 
 FORMAT = 2
@@ -192,14 +192,14 @@ _SAFE = "the partial write was removed and earlier checkpoints are intact"
 
 
 def _write_dir(final: Path, write, what: str) -> None:
-    """`integrity.write_dir` (a full disk or a read-only place named, with what is still safe); any other failure
-    is an OSError saying the same."""
+    """`integrity.write_dir` (a full disk, a file-size limit or a read-only place named, with what is still safe); any
+    other failure is `integrity.WriteFailed` (an OSError) saying the same."""
     try:
-        write_dir(final, write, what, hint=f"{_SAFE}: make room, then continue with resume=true")
-    except (DiskFull, Unwritable):
+        write_dir(final, write, what, hint=f"{_SAFE}: make room (or raise the limit), then continue with resume=true")
+    except (DiskFull, FileTooLarge, Unwritable):
         raise
     except Exception as err:
-        raise OSError(f"writing {what} to {final} failed ({type(err).__name__}: {err}); {_SAFE}") from err
+        raise WriteFailed(f"writing {what} to {final} failed ({type(err).__name__}: {err}); {_SAFE}") from err
 
 
 def save_final(run_dir: Path, model, tokenizer=None, model_state: dict | None = None) -> Path:
@@ -278,8 +278,8 @@ def resume_run(checkpoint: Checkpoint, model, trust_remote_code: bool = False,
     extra.pop("config", None)
     load_weights(model, checkpoint.path / "model", trust_remote_code)
     if launched_in is not None:
-        with (checkpoint.path.parent.parent / "resumes.jsonl").open("a") as f:
-            f.write(to_json({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+        append_line(checkpoint.path.parent.parent / "resumes.jsonl",
+                    to_json({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}), "the run's resumes.jsonl")
     return extra, state["rng"], state["optimizer"]
 
 

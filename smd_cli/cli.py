@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import importlib
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -85,10 +86,45 @@ def run_dir_problem(path: Path) -> str | None:
     return None
 
 
-def check_run_dir(args: list[str], multirun: bool = False) -> None:
+def owner_problem(path: Path, config_name: str) -> str | None:
+    """Why `path` cannot take a run of the stage `config_name`: it holds another stage's run (its provenance.json names
+    that stage), whose summary.json, config.json, provenance.json and .hydra/ this one would replace."""
+    from smd_cli.records import Damaged, read_object
+
+    try:
+        provenance = read_object(path / "provenance.json", missing_ok=True)
+    except (Damaged, OSError):
+        return None
+    argv = provenance.get("argv") or [""]
+    verb = str(argv[0]).removeprefix("smd ") if str(argv[0]).startswith("smd ") else None
+    owner = provenance.get("stage") or (STAGES[verb][1] if verb in STAGES else None)
+    if owner is None or owner == config_name:
+        return None
+    theirs = next((v for v, (_, name, _) in STAGES.items() if name == owner), owner)
+    mine = next(v for v, (_, name, _) in STAGES.items() if name == config_name)
+    return (f"it holds a `smd {theirs}` run, whose summary.json, config.json and provenance.json `smd {mine}` would replace; "
+            f"write this one beside it, e.g. hydra.run.dir={path / config_name}")
+
+
+def links_problem(path: Path) -> str | None:
+    """Why `path` cannot take a run: a file smd or Hydra writes there by name is a symbolic link (it would be written
+    through, outside the run), or `final` is one (replaced whole at the end of training). A link to a folder, such as
+    checkpoints/ on another disk, is fine."""
+    if not path.is_dir():
+        return None
+    for entry in [*path.iterdir(), *((path / ".hydra").iterdir() if (path / ".hydra").is_dir() else ())]:
+        if entry.is_symlink() and (not entry.is_dir() or entry.name in ("final", ".hydra")):
+            return (f"{entry} is a symbolic link (to {os.readlink(entry)}): smd and Hydra write a run's files by name and "
+                    "never through a link; remove the link, or choose another directory")
+    return None
+
+
+def check_run_dir(args: list[str], multirun: bool = False, config_name: str | None = None) -> None:
     """`hydra.run.dir=DIR` (`hydra.sweep.dir=DIR` with `-m`; the last one given, as Hydra reads it, up to its first
     interpolation) must be a folder smd can create and write to: said as a config error before Hydra would fail on
-    it with a traceback. Without one, the default's `runs/` (`multirun/`) under the current directory is checked."""
+    it with a traceback (or write its .hydra/ there). Without one, the default's `runs/` (`multirun/`) under the
+    current directory is checked. A named DIR that holds another stage's run (`owner_problem`) or a link where a file
+    is written (`links_problem`) is refused too."""
     from smd_cli.stages.preflight import interpolation_problem, value_of
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -100,6 +136,8 @@ def check_run_dir(args: list[str], multirun: bool = False) -> None:
     problem = interpolation_problem(value)
     if not problem and fixed.strip():
         problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
+    if not problem and given and "${" not in value and not multirun and config_name is not None:
+        problem = owner_problem(Path(value), config_name) or links_problem(Path(value))
     if problem:
         report("config error", f"{key}={value!r} is not allowed: {problem}")
         raise SystemExit(2)
@@ -135,8 +173,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
-    from smd_cli.integrity import release_all
-    from smd_cli.failures import ParityFailed, TrainingDiverged
+    from smd_cli.integrity import FileTooLarge, Unwritable, WriteFailed, release_all
+    from smd_cli.failures import Interrupted, ParityFailed, TrainingDiverged
+    from smd_cli.records import Damaged
     from smd_cli.stages.checks import ConfigError
 
     register_recipes()
@@ -153,10 +192,17 @@ def main(argv: list[str] | None = None) -> None:
         except ParityFailed as err:
             report("parity check failed", str(err))
             raise SystemExit(1) from None
+        except (Interrupted, KeyboardInterrupt) as err:  # Ctrl-C: one line (a stage that can continue says how), no traceback
+            report("interrupted", str(err) or f"smd {verb} stopped by Ctrl-C", "yellow")
+            raise SystemExit(130) from None
+        except (Unwritable, Damaged) as err:  # a link, a read-only place; a record that does not read back as written
+            report("cannot write" if isinstance(err, Unwritable) else "damaged record", str(err))
+            raise SystemExit(1) from None
         except OSError as err:
-            if err.errno != errno.ENOSPC:
+            named = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large"}.get(err.errno)
+            if named is None and not isinstance(err, (FileTooLarge, WriteFailed)):
                 raise
-            report("disk full", err.strerror if err.filename is None else str(err))
+            report(named or "write failed", err.strerror if err.filename is None and err.strerror else str(err))
             raise SystemExit(1) from None
         finally:
             release_all()
@@ -168,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         preflight.overrides(rest)  # an override Hydra cannot parse: said before any folder is made
         if not informational:
-            check_run_dir(rest, multirun)
+            check_run_dir(rest, multirun, config_name)
         if verb == "ablate":
             rest = sweep_arguments(rest)
         if multirun and not informational:

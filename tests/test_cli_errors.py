@@ -186,6 +186,6 @@ def test_a_damaged_middle_line_of_the_metrics_log_is_named_on_resume(trained, tm
     (run / "metrics.jsonl").write_text('{"step": 1, "rew\n{"step": 2}\n')
     monkeypatch.setattr("smd_cli.stages.warm_cache.warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     assert smd("train", *TINY, "steps=2", "resume=true", f"hydra.run.dir={run}", f"cache_dir={cache}") == 2
-    assert said(capsys) == (f"config error: resume=True: {run / 'metrics.jsonl'}:1: not a valid JSON line (Unterminated string "
-                            "starting at); only a torn last line (a write cut short by a kill) is dropped on its own: repair or "
-                            "delete that line, then resume")
+    assert said(capsys) == (f"config error: resume=True: {run / 'metrics.jsonl'}:1: not valid JSON (Unterminated string "
+                            "starting at); only a torn last line (a write cut short by a kill) is dropped on its own: restore the "
+                            "file or repair that line, then resume (or start a new run)")

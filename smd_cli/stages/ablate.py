@@ -102,11 +102,13 @@ def row(member: Member, runs_dir: Path, metrics: list[str], reused: bool) -> dic
     """The table row of a member, from what its directory holds."""
     run_dir = runs_dir / member.name
     record, unreadable = read_json(run_dir / "member.json")
-    summary, _ = read_json(run_dir / "summary.json")
+    summary, damaged = read_json(run_dir / "summary.json", summary=True)  # out of range: named, never shown as a result
     ok = finished(run_dir, member)
     if ok:  # completed, or collapsed: its numbers are what the collapsed policy does, flagged with the reason
         status = record["status"]
         error = summary.get("status_reason") if status == "collapsed" else None
+    elif damaged:
+        status, error = "failed", damaged
     elif record.get("identity") == member.identity:
         code = record.get("returncode")
         status, error = (f"failed (exit {code})" if code else "failed"), record.get("error")

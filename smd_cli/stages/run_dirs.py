@@ -64,7 +64,7 @@ def start_run(cfg: DictConfig) -> Run:
         console.quiet = not distributed.is_main()  # one console: rank 0's
     if distributed.is_main():
         lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
-        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend})
+        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend, "stage": stage_name()})
     distributed.barrier()
     return Run(run_dir, seed_everything(cfg.seed), device)
 
@@ -75,8 +75,14 @@ def open_sweep_dir(cfg: DictConfig) -> Path:
     `start_run`), so it starts without torch or transformers."""
     run_dir, overrides = run_dir_of(cfg)
     lock_run_dir(run_dir)
-    write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": 1, "backend": None})
+    write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": 1, "backend": None, "stage": stage_name()})
     return run_dir
+
+
+def stage_name() -> str | None:
+    """The stage that owns the run directory (its primary config's name: train, eval, ...), recorded in provenance.json:
+    `smd STAGE` refuses a directory that holds another stage's run (`smd_cli.cli.owner_problem`)."""
+    return HydraConfig.get().job.name if HydraConfig.initialized() else None
 
 
 def run_dir_of(cfg: DictConfig) -> tuple[Path, list[str]]:
