@@ -156,6 +156,17 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`smd STAGE ARGS`; Ctrl-C at any moment ends it with one line and exit status 130 (a stage that can continue says
+    where it stopped and how: `smd train`, `smd ablate`, `smd reproduce`), never a traceback."""
+    verb = ((sys.argv[1:] if argv is None else argv) or ["STAGE"])[0]
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        report("interrupted", f"smd {verb} stopped by Ctrl-C", "yellow")
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None = None) -> None:
     from smd_cli.lifetime import die_with_parent
 
     die_with_parent()  # started by `smd ablate` / `smd reproduce`: die with it (a no-op otherwise)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from smd_cli import records
-from smd_cli.integrity import write_file
+from smd_cli.integrity import atomic_text, write_file
 from smd_cli.report import claims, figures, machinery, tables
 from smd_cli.report.data import Sweep, check_weights
 from smd_cli.report.tables import MAIN_COLUMNS
@@ -43,7 +43,7 @@ class Report:
         self.lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         self.lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in cells]
         self.lines.append("")
-        with (self.out / f"{name}.csv").open("w", newline="") as f:
+        with atomic_text(self.out / f"{name}.csv") as f:
             writer = csv.writer(f)
             writer.writerow(header)
             writer.writerows(cells)
@@ -224,7 +224,7 @@ def _tally(found: list[claims.Finding]) -> list[str]:
 
 
 def _claims_csv(out: Path, found: list[claims.Finding]) -> None:
-    with (out / "claims.csv").open("w", newline="") as f:
+    with atomic_text(out / "claims.csv") as f:
         writer = csv.writer(f)
         writer.writerow(["claim", "paper", "scope", "view", "verdict", "seeds", "d", "se", "critical", "pending", "detectable",
                          "paper_difference", "seeds_needed", "evidence", "rule"])
@@ -350,7 +350,7 @@ def _runs_csv(out: Path, sweeps: dict[str, Sweep]) -> None:
     keys = sorted({k for s in sweeps.values() for k in s.keys})
     metrics = sorted({m for _, m in MAIN_COLUMNS + ABLATION_COLUMNS} | {"eval/reward_before", "eval/evict/reward_before",
                                                                          "eval/evict/kept_before", "train/seconds"})
-    with (out / "runs.csv").open("w", newline="") as f:
+    with atomic_text(out / "runs.csv") as f:
         writer = csv.writer(f)
         writer.writerow(["sweep", *keys, "status", "reason", *metrics, "dir"])
         for s in sweeps.values():

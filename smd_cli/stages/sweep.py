@@ -41,6 +41,7 @@ from smd_cli.stages.checks import ROOT, ConfigError, one_line
 from smd_cli.stages.rules import check_config
 
 OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason
+INTERRUPT_GRACE = 30.0  # seconds a member interrupted by Ctrl-C has to write its summary and say where it stopped
 SWEEP_PID = "SMD_SWEEP_PID"
 REASON_CHARS = 300
 # keys that change how a run is carried out, not what it computes: left out of a member's identity
@@ -314,9 +315,12 @@ def run_logged(command: list[str], log: Path, stream: bool, locked: Path | None 
         selector = selectors.DefaultSelector()
         for pipe in ours:
             selector.register(pipe, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                for key, _ in selector.select():
+
+        def pump(until: float | None = None) -> None:
+            """Copy the command's output until it closes its pipes (or `until`, a time.monotonic())."""
+            nonlocal tail
+            while selector.get_map() and (until is None or time.monotonic() < until):
+                for key, _ in selector.select(None if until is None else max(until - time.monotonic(), 0)):
                     chunk = os.read(key.fileobj.fileno(), 65536)
                     if not chunk:
                         selector.unregister(key.fileobj)
@@ -329,7 +333,17 @@ def run_logged(command: list[str], log: Path, stream: bool, locked: Path | None 
                         tail += chunk
                         if len(tail) > 2 * OUTPUT_TAIL:
                             del tail[:-OUTPUT_TAIL]
+
+        try:
+            pump()
             returncode = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the command too (one process group): let it say where it stopped
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                pump(time.monotonic() + INTERRUPT_GRACE)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            raise
         finally:
             if proc.poll() is None:  # interrupted: do not leave the run behind
                 proc.kill()
