@@ -86,24 +86,22 @@ def run_dir_problem(path: Path) -> str | None:
     return None
 
 
-def owner_problem(path: Path, config_name: str) -> str | None:
-    """Why `path` cannot take a run of the stage `config_name`: it holds another stage's run (its provenance.json names
-    that stage), whose summary.json, config.json, provenance.json and .hydra/ this one would replace."""
+def owner_problem(path: Path, verb: str) -> str | None:
+    """Why `path` cannot take a run of `smd VERB`: it holds another stage's run (its provenance.json names that stage, or
+    its argv does), whose summary.json, config.json, provenance.json and .hydra/ this one would replace."""
     from smd_cli.records import Damaged, read_object
 
     try:
         provenance = read_object(path / "provenance.json", missing_ok=True)
     except (Damaged, OSError):
         return None
-    argv = provenance.get("argv") or [""]
-    verb = str(argv[0]).removeprefix("smd ") if str(argv[0]).startswith("smd ") else None
-    owner = provenance.get("stage") or (STAGES[verb][1] if verb in STAGES else None)
-    if owner is None or owner == config_name:
+    argv = provenance.get("argv") if isinstance(provenance.get("argv"), list) else []
+    typed = str(argv[0]) if argv else ""
+    owner = provenance.get("stage") or (typed.removeprefix("smd ") if typed.startswith("smd ") else None)
+    if owner is None or owner == verb:
         return None
-    theirs = next((v for v, (_, name, _) in STAGES.items() if name == owner), owner)
-    mine = next(v for v, (_, name, _) in STAGES.items() if name == config_name)
-    return (f"it holds a `smd {theirs}` run, whose summary.json, config.json and provenance.json `smd {mine}` would replace; "
-            f"write this one beside it, e.g. hydra.run.dir={path / config_name}")
+    return (f"it holds a `smd {owner}` run, whose summary.json, config.json and provenance.json `smd {verb}` would replace; "
+            f"write this one beside it, e.g. hydra.run.dir={path / verb.replace('-', '_')}")
 
 
 def links_problem(path: Path) -> str | None:
@@ -119,7 +117,7 @@ def links_problem(path: Path) -> str | None:
     return None
 
 
-def check_run_dir(args: list[str], multirun: bool = False, config_name: str | None = None) -> None:
+def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = None) -> None:
     """`hydra.run.dir=DIR` (`hydra.sweep.dir=DIR` with `-m`; the last one given, as Hydra reads it, up to its first
     interpolation) must be a folder smd can create and write to: said as a config error before Hydra would fail on
     it with a traceback (or write its .hydra/ there). Without one, the default's `runs/` (`multirun/`) under the
@@ -136,8 +134,8 @@ def check_run_dir(args: list[str], multirun: bool = False, config_name: str | No
     problem = interpolation_problem(value)
     if not problem and fixed.strip():
         problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
-    if not problem and given and "${" not in value and not multirun and config_name is not None:
-        problem = owner_problem(Path(value), config_name) or links_problem(Path(value))
+    if not problem and given and "${" not in value and not multirun and verb is not None:
+        problem = owner_problem(Path(value), verb) or links_problem(Path(value))
     if problem:
         report("config error", f"{key}={value!r} is not allowed: {problem}")
         raise SystemExit(2)
@@ -225,7 +223,7 @@ def _main(argv: list[str] | None = None) -> None:
     try:
         preflight.overrides(rest)  # an override Hydra cannot parse: said before any folder is made
         if not informational:
-            check_run_dir(rest, multirun, config_name)
+            check_run_dir(rest, multirun, verb)
         if verb == "ablate":
             rest = sweep_arguments(rest)
         if multirun and not informational:

@@ -6,6 +6,7 @@ reads runs, never loads it."""
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,9 +81,9 @@ def open_sweep_dir(cfg: DictConfig) -> Path:
 
 
 def stage_name() -> str | None:
-    """The stage that owns the run directory (its primary config's name: train, eval, ...), recorded in provenance.json:
-    `smd STAGE` refuses a directory that holds another stage's run (`smd_cli.cli.owner_problem`)."""
-    return HydraConfig.get().job.name if HydraConfig.initialized() else None
+    """The stage that owns the run directory (its verb: train, eval, check-parity, ...; None when not run as `smd VERB`),
+    recorded in provenance.json: `smd VERB` refuses a directory that holds another stage's run (`smd_cli.cli.owner_problem`)."""
+    return sys.argv[0].removeprefix("smd ") if sys.argv and sys.argv[0].startswith("smd ") else None
 
 
 def run_dir_of(cfg: DictConfig) -> tuple[Path, list[str]]:

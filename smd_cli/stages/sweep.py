@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli import integrity, lifetime, records
+from smd_cli import adaptive, integrity, lifetime, records
 from smd_cli.io import write_json
 from smd_cli.stages.checks import ROOT, ConfigError, one_line
 from smd_cli.stages.rules import check_config
@@ -180,6 +180,8 @@ def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
         check_config(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), "train")
     except ConfigError as err:
         raise ConfigError(f"ablate run {label}: {err}") from None
+    if adaptive.problem(cfg):  # what depends on several keys, as `smd train` checks it (compression=adaptive with algo=dense)
+        raise ConfigError(f"ablate run {label}: {adaptive.problem(cfg)}")
     choices, identity = cfg.hydra.runtime.choices, config_identity(cfg)
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in ("algo", "compression", "lambda", "seed")}

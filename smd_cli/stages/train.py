@@ -43,16 +43,17 @@ from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
-from smd_cli.stages.checks import ConfigError, check, check_offload
+from smd_cli.stages.checks import ConfigError, check, check_offload, unread_keys_note
 from smd_cli.stages.console import console
 from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory
 from smd_cli.stages.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
 from smd_cli.stages.prompts import check_prompts, encode_prompt, load_examples
 from smd_cli.stages.run_dirs import pick_device, start_run
+from smd_cli.stages.train_state import Whereabouts, stopped  # Ctrl-C and a failed write: one line, a status
 from smd_cli.stages.planning import check_fits
 from smd_cli.stages.rules import check_config
-from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, Whereabouts, collapsed, find_resume, resume, save,
-                                       save_final, stop_diverged, stopped)
+from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
+                                       stop_diverged)
 from smd_cli.stages.train_parity import ParityGuard
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
@@ -62,6 +63,8 @@ def validate(cfg: DictConfig) -> None:
     check_algorithm(cfg)
     if adaptive.problem(cfg):
         raise ConfigError(adaptive.problem(cfg))
+    if unread_keys_note(cfg):
+        console.print(f"[yellow]note:[/yellow] {escape(unread_keys_note(cfg))}", highlight=False, soft_wrap=True)
     if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
     if cfg.eval.evicting and not cfg.algo.evicting and cfg.eval.dense_eviction is not None:

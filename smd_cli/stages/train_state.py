@@ -125,8 +125,11 @@ def _described(corrupt: list) -> str:
 def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model) -> tuple[dict, dict, dict]:
     """Restore `checkpoint`'s weights (from `find_resume`): (the trainer's extra state, RNG states, the optimizer's
     state dict). Every rank reads the same files; rank 0 records the resumption."""
-    extra, rng, optimizer_state = ckpt.resume_run(checkpoint, model, bool(cfg.model.trust_remote_code),
-                                                  launched_in if distributed.is_main() else None)
+    try:
+        extra, rng, optimizer_state = ckpt.resume_run(checkpoint, model, bool(cfg.model.trust_remote_code),
+                                                      launched_in if distributed.is_main() else None)
+    except ckpt.ForeignCheckpoint as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
     console.print(f"resuming {checkpoint.path.parent.parent} from {checkpoint.path.name}")
     return extra, rng, optimizer_state
 

@@ -42,7 +42,7 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
         if f"{key}_before" in summary or f"{key}_after" in summary:
             table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
     console.print(table)
-    rows = (("parity: max |log p_learner - log p_sampler|", "train/mismatch/max_abs_diff_max"),
+    rows = ((parity_label(summary, cfg), "train/mismatch/max_abs_diff_max"),
             ("a dense learner on the same rollouts: max |log p - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
             ("KV entries the sampler kept (mean)", "train/kv/kept_fraction_mean"),
             ("answer-bearing KV the sampler kept (mean)", "train/evidence/kept_mean"),
@@ -52,8 +52,9 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
             ("the sampler's reward, last step", "last/reward"),
             ("peak memory, rollout / learner (MiB)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
             ("GRPO seconds", "train/seconds"))
+    quant = (cfg.get("kv") or {}).get("quant", "none")
     training = Table(title=f"training, {cfg.steps} steps (max and mean over the steps); sampler: "
-                           f"{evicting if cfg.algo.evicting else 'no eviction'}")
+                           f"{evicting if cfg.algo.evicting else 'no eviction'}" + (f", KV cache {quant}" if quant != "none" else ""))
     training.add_column("metric")
     training.add_column("value", justify="right")
     for label, key in rows:
@@ -71,6 +72,21 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     if summary.get("status_reason"):
         console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status", "completed") != "completed" else None,
                       markup=False, highlight=False, soft_wrap=True)
+
+
+def parity_label(summary: dict, cfg: DictConfig) -> str:
+    """The training table's first row: "parity" only where the run judged it (`parity/judged`, `train_parity`); else what
+    the number is and why it is not judged (a dense learner of evicted or 8-bit rollouts: that mismatch is reported)."""
+    if summary.get("parity/judged"):
+        return "parity: max |log p_learner - log p_sampler|"
+    quant = (cfg.get("kv") or {}).get("quant", "none")
+    if cfg.algo.view != "shadow" and cfg.algo.evicting:
+        why = "its dense learner does not see what the sampler evicted"
+    elif cfg.algo.view != "shadow" and quant != "none":
+        why = f"the sampler's KV cache is {quant}, the dense learner reads full precision"
+    else:
+        why = "no bound for this compute dtype (guard.parity_bound sets one)"
+    return f"learner vs sampler, not judged ({why}): max |log p_learner - log p_sampler|"
 
 
 def _compression(summary: dict, cfg: DictConfig) -> str:
