@@ -264,7 +264,8 @@ def stopped(cfg: DictConfig, where: Whereabouts, err: BaseException) -> Exceptio
                 write_json(run_dir / "summary.json", summary)
             except (OSError, ValueError):  # the disk that stopped the run may not take this either: the line below says it all
                 pass
-        message = f"{what} at step {step} of {cfg.steps}; last checkpoint: {kept}; continue with: {again}"
+        at = f"{what} at step {step}" if interrupted else f"{what.rstrip('.')}. Stopped at step {step}"
+        message = f"{at} of {cfg.steps}; last checkpoint: {kept}; continue with: {again}"
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
