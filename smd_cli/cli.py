@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import importlib
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -104,25 +103,12 @@ def owner_problem(path: Path, verb: str) -> str | None:
             f"write this one beside it, e.g. hydra.run.dir={path / verb.replace('-', '_')}")
 
 
-def links_problem(path: Path) -> str | None:
-    """Why `path` cannot take a run: a file smd or Hydra writes there by name is a symbolic link (it would be written
-    through, outside the run), or `final` is one (replaced whole at the end of training). A link to a folder, such as
-    checkpoints/ on another disk, is fine."""
-    if not path.is_dir():
-        return None
-    for entry in [*path.iterdir(), *((path / ".hydra").iterdir() if (path / ".hydra").is_dir() else ())]:
-        if entry.is_symlink() and (not entry.is_dir() or entry.name in ("final", ".hydra")):
-            return (f"{entry} is a symbolic link (to {os.readlink(entry)}): smd and Hydra write a run's files by name and "
-                    "never through a link; remove the link, or choose another directory")
-    return None
-
-
 def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = None) -> None:
     """`hydra.run.dir=DIR` (`hydra.sweep.dir=DIR` with `-m`; the last one given, as Hydra reads it, up to its first
     interpolation) must be a folder smd can create and write to: said as a config error before Hydra would fail on
     it with a traceback (or write its .hydra/ there). Without one, the default's `runs/` (`multirun/`) under the
     current directory is checked. A named DIR that holds another stage's run (`owner_problem`) or a link where a file
-    is written (`links_problem`) is refused too."""
+    is written (`integrity.links_problem`) is refused too."""
     from smd_cli.stages.preflight import interpolation_problem, value_of
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -135,6 +121,8 @@ def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = No
     if not problem and fixed.strip():
         problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
     if not problem and given and "${" not in value and not multirun and verb is not None:
+        from smd_cli.integrity import links_problem
+
         problem = owner_problem(Path(value), verb) or links_problem(Path(value))
     if problem:
         report("config error", f"{key}={value!r} is not allowed: {problem}")

@@ -270,6 +270,21 @@ def refuse_link(path: Path, what: str) -> None:
                          "nor replace one; remove the link (or choose another directory)")
 
 
+def links_problem(directory: Path) -> str | None:
+    """Why `directory` cannot take a run (None when it can): a file that smd or Hydra writes there by name is a
+    symbolic link (it would be written through, outside the run), or `final` or `.hydra` is one (replaced or filled
+    whole). A link to a folder that only holds files smd makes anew, such as checkpoints/ on another disk, is fine."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    hydra = directory / ".hydra"
+    for entry in [*directory.iterdir(), *(hydra.iterdir() if hydra.is_dir() and not hydra.is_symlink() else ())]:
+        if entry.is_symlink() and (not entry.is_dir() or entry.name in ("final", ".hydra")):
+            return (f"{entry} is a symbolic link (to {os.readlink(entry)}): smd and Hydra write a run's files by name and "
+                    "never through a link; remove the link, or choose another directory")
+    return None
+
+
 def open_new(path: Path, what: str, append: bool = False):
     """`path` opened for writing in binary (emptied, or with `append` at its end), never through a link
     (`Unwritable` naming it); a full disk or an unwritable place named."""

@@ -231,7 +231,7 @@ def run(cfg: DictConfig) -> dict:
         return _run(cfg, where)
     except KeyboardInterrupt as err:
         raise stopped(cfg, where, err) from None
-    except (integrity.DiskFull, integrity.FileTooLarge, integrity.WriteFailed) as err:
+    except (integrity.DiskFull, integrity.FileTooLarge, integrity.WriteFailed, integrity.Unwritable) as err:
         raise stopped(cfg, where, err) from None
 
 

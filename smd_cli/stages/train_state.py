@@ -84,6 +84,8 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
             console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current}"
                           f"{'' if named_by_user(cfg) else ' or beside it'}; starting at step 0")
         return None
+    if integrity.links_problem(target):  # the run continued there (resume=PATH): checked as a named hydra.run.dir is
+        raise ConfigError(f"resume={cfg.resume!r}: {integrity.links_problem(target)}")
     lock_run_dir(target)
     removed = ckpt.remove_partial(target)
     if removed:
