@@ -106,8 +106,13 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
         console.print(f"[yellow]warning:[/yellow] resuming from the newest intact checkpoint, {latest.path.name}")
     if latest.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {latest.step}")
+    log = target / "metrics.jsonl"
+    if not log.exists():  # a checkpoint copied into a folder of its own: continued, its statistics from here on (said)
+        console.print(f"[yellow]note:[/yellow] {target} has no metrics.jsonl: the run's statistics (train/* in summary.json, "
+                      f"train/steps_logged) will cover the steps after {latest.step} only", highlight=False, soft_wrap=True)
     try:  # the log the run continues, every step up to the checkpoint: a damaged or cut log is said now, not used
-        records.read_metrics(target / "metrics.jsonl", through=latest.step, torn_tail_ok=True)
+        if log.exists():
+            records.read_metrics(log, through=latest.step, torn_tail_ok=True)
     except records.Damaged as err:
         raise ConfigError(f"resume={cfg.resume!r}: {err}; only a torn last line (a write cut short by a kill) is dropped "
                           "on its own: restore the file or repair that line, then resume (or start a new run)") from None

@@ -13,9 +13,10 @@ def run_statistics(path) -> dict[str, float]:
     """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
     the learner's own view and of a dense learner, the mean KV and answer-bearing KV kept, the mean fractions
     of tokens and sequences a rollout correction masked (MIS, IcePop, TRM), and the means of the agreement's 5th
-    percentile and mean (`smd_cli.agreement`) and of the rollouts' compression."""
+    percentile and mean (`smd_cli.agreement`) and of the rollouts' compression; and how many steps the log holds
+    (`train/steps_logged`: fewer than `steps_run` when a run was continued from a checkpoint without its log)."""
     rows = read_jsonl(path) if path.is_file() else []
-    out = {}
+    out = {"train/steps_logged": len(rows)}
     for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
                         ("evidence/kept", None), ("rollout_corr/masked_token_frac", None), ("rollout_corr/masked_seq_frac", None),
                         ("agreement/p5", None), ("agreement/mean", None), ("compression", None)):
