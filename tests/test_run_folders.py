@@ -139,20 +139,19 @@ def test_ctrl_c_ends_a_run_with_one_line_a_status_and_the_command_that_continues
     assert summary(run)["status"] == "completed" and summary(run)["steps_run"] == 4
 
 
-def test_a_file_size_limit_during_a_checkpoint_is_one_line_and_a_status(tmp_path, cache):
-    """`ulimit -f` (a quota per file) below the checkpoint's size: before, three chained tracebacks and no summary."""
+def test_a_file_size_limit_during_a_checkpoint_is_one_line_and_a_status(trained, tmp_path, cache, capsys):
+    """`ulimit -f` (a quota per file) below the checkpoint's size: before, three chained tracebacks and no summary. The
+    limit is this process's own for the run (a soft limit, raised back after it; the warm start is cached by `trained`)."""
     run = tmp_path / "run"
     limit = 600 * 1024  # the tiny model's safetensors is about 0.6 MB, its summary and logs a few KB
-
-    def limited():
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    done = subprocess.run([sys.executable, "-m", "smd_cli.cli", "train", *TINY, "steps=1", f"hydra.run.dir={run}", f"cache_dir={cache}"],
-                          capture_output=True, text=True, cwd=ROOT, preexec_fn=limited, env={**os.environ, "COLUMNS": "400"},
-                          timeout=300)
-    err = " ".join(done.stderr.split())
-    err = err[err.find("file too large:"):]  # after the model's loading bar
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        code = smd("train", *TINY, "steps=1", f"hydra.run.dir={run}", f"cache_dir={cache}")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    err = said(capsys)
+    assert code == 1 and "Traceback" not in err, err
     assert err.startswith(f"file too large: a file-size limit stopped the write of checkpoint step 1 to "
                           f"{run / 'checkpoints' / 'step_000001'} (this process may write files of at most {limit:,} bytes: "
                           "`ulimit -f`); the partial write was removed"), err
