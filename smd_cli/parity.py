@@ -21,11 +21,11 @@ The check fails (the caller raises `ParityFailed`) when the shadow or physical v
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from smd_cli import widening
 from smd_cli.corrections.none import NoCorrection
 from smd_cli.learner import Algorithm, learner_step
 from smd_cli.losses import mismatch_stats
@@ -93,14 +93,29 @@ def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: i
                        temperature, chunk=logits_chunk, support=batch.sampling_support)["logp"]
 
 
-def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None) -> dict[str, float]:
-    """The shadow replay with a float64 copy of `model` (SDPA, no gradient) against the sampler, and `rounding`:
-    the largest |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale
-    at which the sampler's float32 log-probs are rounded too."""
-    narrow = _replay_logp(model, batch, temperature, logits_chunk)
-    wide = copy.deepcopy(model).double()
-    logp = _replay_logp(wide, batch, temperature, logits_chunk)
-    del wide
+def rows_of(batch: RolloutBatch, rows: slice) -> RolloutBatch:
+    """The rollout's rows `rows`, everything a replay reads of them."""
+    cut = (lambda t: None if t is None else t[rows])
+    support = None if batch.sampling_support is None else batch.sampling_support.rows(rows)
+    return replace(batch, input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows], response_mask=batch.response_mask[rows],
+                   logprobs=batch.logprobs[rows], evict_at=cut(batch.evict_at), visibility=cut(batch.visibility), sampling_support=support,
+                   kv_rounding=cut(batch.kv_rounding), stats={})
+
+
+def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None,
+                   micro_batch: int | None = None) -> dict[str, float]:
+    """The shadow replay with `model` in float64 (`smd_cli.widening`: one module's tensors widened at a time, no float64
+    copy of the model; SDPA, no gradient), `micro_batch` rows at a time, against the sampler, and `rounding`: the largest
+    |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale at which the
+    sampler's float32 log-probs are rounded too."""
+    n = batch.input_ids.shape[0]
+    narrow, wide = [], []
+    for start in range(0, n, micro_batch or n):
+        part = rows_of(batch, slice(start, min(start + (micro_batch or n), n)))
+        narrow.append(_replay_logp(model, part, temperature, logits_chunk))
+        with widening.float64(model):
+            wide.append(_replay_logp(model, part, temperature, logits_chunk))
+    narrow, logp = torch.cat(narrow), torch.cat(wide)
     rounding = float((narrow.double() - logp)[batch.response_mask].abs().max()) if batch.response_mask.any() else 0.0
     return {**_stats(logp, batch), "rounding": rounding}
 
@@ -138,7 +153,7 @@ def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:
     if settings.physical and batch.evict_at is not None:
         views["physical"] = physical_view(model, batch, settings.temperature)
     if settings.float64:
-        views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk)
+        views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk, settings.micro_batch_size)
     if batch.kv_quant != "none" and batch.evict_at is not None:
         views.update(mismatch_parts(model, batch, settings))
     failed = [v for v in JUDGED if v in views and not views[v]["max_abs_diff"] <= bound]
