@@ -105,16 +105,21 @@ def rows_of(batch: RolloutBatch, rows: slice) -> RolloutBatch:
 def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None,
                    micro_batch: int | None = None) -> dict[str, float]:
     """The shadow replay with `model` in float64 (`smd_cli.widening`: one module's tensors widened at a time, no float64
-    copy of the model; SDPA, no gradient), `micro_batch` rows at a time, against the sampler, and `rounding`: the largest
+    copy of the model; SDPA, no gradient; eval mode), `micro_batch` rows at a time, against the sampler, and `rounding`: the largest
     |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale at which the
     sampler's float32 log-probs are rounded too."""
-    n = batch.input_ids.shape[0]
+    n, modes = batch.input_ids.shape[0], [(m, m.training) for m in model.modules()]
     narrow, wide = [], []
-    for start in range(0, n, micro_batch or n):
-        part = rows_of(batch, slice(start, min(start + (micro_batch or n), n)))
-        narrow.append(_replay_logp(model, part, temperature, logits_chunk))
-        with widening.float64(model):
-            wide.append(_replay_logp(model, part, temperature, logits_chunk))
+    model.eval()  # the sampler's function, whatever mode the caller left it in (the learner's, inside its step)
+    try:
+        for start in range(0, n, micro_batch or n):
+            part = rows_of(batch, slice(start, min(start + (micro_batch or n), n)))
+            narrow.append(_replay_logp(model, part, temperature, logits_chunk))
+            with widening.float64(model):
+                wide.append(_replay_logp(model, part, temperature, logits_chunk))
+    finally:
+        for module, training in modes:
+            module.training = training
     narrow, logp = torch.cat(narrow), torch.cat(wide)
     rounding = float((narrow.double() - logp)[batch.response_mask].abs().max()) if batch.response_mask.any() else 0.0
     return {**_stats(logp, batch), "rounding": rounding}
@@ -142,6 +147,15 @@ def mask_error(views: dict, bound: float) -> bool:
     ROUNDING_FACTOR times the learner's own float32 rounding (the sampler's is of the same order)."""
     wide = views.get("shadow_float64")
     return wide is not None and wide["max_abs_diff"] > max(bound, ROUNDING_FACTOR * wide["rounding"])
+
+
+def beyond_rounding(parity: float, wide: dict, bound: float) -> bool:
+    """Whether a learner's float32 parity `parity` is more than rounding explains, given the float64 replay of the same
+    batch at the same weights (`wide`, `float64_replay`'s): the learner's forward runs the replay's function, so it can
+    miss the sampler by at most the replay's float32 rounding plus the float64 replay's own miss; beyond `bound` and
+    ROUNDING_FACTOR times that sum, the learner computes something else than its replay (a training-mode behaviour
+    such as dropout or router jitter, or an error of the learner's own path), whatever the mask."""
+    return parity > max(bound, ROUNDING_FACTOR * (wide["rounding"] + wide["max_abs_diff"]))
 
 
 def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:

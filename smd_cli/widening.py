@@ -5,7 +5,8 @@ forward runs, and only then: a forward pre-hook swaps float64 copies of its tens
 originals back. So at most one module's float64 copy exists at a time (one projection, or one layer's experts), never
 the model's (a float64 copy of a float32 model is twice its size: 32 GB for a 4B model). The vocabulary-sized tensors
 are never copied whole: an `nn.Embedding` looks its rows up in its own dtype and widens them (exact: the same values),
-and the output embedding (the LM head) multiplies in float64 HEAD_ROWS rows of its weight at a time.
+and the output embedding (the LM head) multiplies in float64 HEAD_ROWS rows of its weight at a time. A mixture of
+experts runs transformers' "eager" experts loop meanwhile (the grouped matmul kernel has no float64 mode).
 
 The model's own tensors are never touched: the same storages, dtypes and values afterwards, so the optimizer's state,
 tied weights and CUDA graphs that captured them stay valid. The logits equal those of `copy.deepcopy(model).double()`
@@ -66,6 +67,7 @@ def float64(model: torch.nn.Module):
             handles.append(module.register_forward_hook(_swap_out, always_call=True))
     if head is not None:
         head.forward = lambda hidden: _wide_head(head, hidden)  # this instance only, for the duration
+    experts = _eager_experts(model)
     try:
         with torch.no_grad():
             yield model
@@ -74,3 +76,15 @@ def float64(model: torch.nn.Module):
             handle.remove()
         if head is not None:
             del head.forward
+        for config, implementation in experts:
+            config._experts_implementation = implementation
+
+
+def _eager_experts(model: torch.nn.Module) -> list[tuple[object, str]]:
+    """Set every config of `model` that picks a mixture of experts' kernel to transformers' "eager" loop (its grouped
+    matmul has no float64 mode); returns (config, its kernel) to put back."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    found = [(c, c._experts_implementation) for c in configs.values() if getattr(c, "_experts_implementation", None) not in (None, "eager")]
+    for config, _ in found:
+        config._experts_implementation = "eager"
+    return found

@@ -28,7 +28,8 @@ from tests.test_architectures import save_tiny
 TRAIN = ["model=hub", "device=cpu", "progress=false", "task=needle", "task.prompt_tokens=40", "task.max_new_tokens=4", "algo=smd",
          "grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=2", "eval.batch_size=2", "eval.greedy=false",
          "optim.lr=1e-2"]
-CLEAN = {"max_abs_diff": 2e-7, "mean_abs_diff": 1e-8, "kl_k3": 0.0, "rounding": 2e-7}  # a float64 replay within rounding
+# a float64 replay within rounding of the sampler, whose float32 rounding explains a learner miss of up to 10 x (0.03 + 0.03)
+CLEAN = {"max_abs_diff": 0.03, "mean_abs_diff": 1e-3, "kl_k3": 0.0, "rounding": 0.03}
 
 
 def weights_of(model) -> float:
@@ -72,7 +73,7 @@ def replays(monkeypatch):
 
     def float64_replay(model, batch, *args, **kwargs):
         state["seen"].append((float(batch.logprobs.double().sum()), weights_of(model)))
-        return state["verdicts"][len(state["seen"]) - 1]
+        return state["verdicts"][len(state["seen"]) - 1] if len(state["seen"]) <= len(state["verdicts"]) else CLEAN
 
     monkeypatch.setattr(train_parity, "float64_replay", float64_replay)
     return state
@@ -98,7 +99,7 @@ def test_each_miss_is_judged_on_its_own_batch_and_weights_and_the_bound_stays(ll
     assert "held to" not in said["status_reason"]
     assert said["status_reason"] == ("parity above the bound 1e-05 at 2 step(s) (1, 2; largest 0.4 at step 1), each judged by a "
                                      "float64 replay of its own rollout at its own weights: within rounding of the sampler "
-                                     "(float64 replay 2e-07, float32 rounding up to 2e-07), float32 rounding, not a mask error; "
+                                     "(float64 replay 0.03, float32 rounding up to 0.03), float32 rounding, not a mask error; "
                                      "the bound stays 1e-05")
 
 
@@ -106,7 +107,7 @@ def test_a_smaller_miss_after_a_clean_one_is_still_judged_and_can_break_the_run(
     # Before, the first (clean) replay raised the bound to 0.4, so the mask error behind the 0.39 miss went unseen and
     # the run ended "completed".
     misses["at"] = {1: 0.4, 2: 0.39}
-    replays["verdicts"] = [CLEAN, {**CLEAN, "max_abs_diff": 0.39}]
+    replays["verdicts"] = [CLEAN, {**CLEAN, "max_abs_diff": 0.39, "rounding": 1e-3}]
     run = tmp_path / "run"
     code, said = run_train(llama, run, "steps=3")
     assert code == 1 and said["status"] == "parity_broken" and said["parity_broken_at_step"] == 2
@@ -119,9 +120,9 @@ def test_a_smaller_miss_after_a_clean_one_is_still_judged_and_can_break_the_run(
     assert "status parity_broken" in " ".join(capsys.readouterr().err.split())
 
 
-def test_the_guards_record_survives_a_resume(llama, tmp_path, misses):
-    # Every step misses (3e-5, above 1e-5); the real float64 replay finds rounding each time. A run stopped after step 2
-    # and resumed to step 3 ends with the record of one run of 3 steps (before: the guard was rebuilt on resume).
+def test_the_guards_record_survives_a_resume(llama, tmp_path, misses, replays):
+    # Every step misses (3e-5, above 1e-5), and every float64 replay finds rounding. A run stopped after step 2 and
+    # resumed to step 3 ends with the record of one run of 3 steps (before: the guard was rebuilt on resume).
     misses["at"] = {i: 3e-5 for i in range(1, 10)}
     _, whole = run_train(llama, tmp_path / "whole", "steps=3", "checkpoint.every=1")
     run = tmp_path / "parts"

@@ -6,12 +6,14 @@ rollouts) measures that parity in its first pass: `mismatch/max_abs_diff`, the l
 1e-5 for float32; `guard.parity_bound` overrides it), the way check-parity judges a miss, and on the very batch and
 weights of the miss: `learner_step` hands it the first pass's numbers before its update (`check`), and a miss beyond
 the bound is replayed in float64 there and then (`smd_cli.parity.float64_replay`, one module widened at a time: no
-float64 copy of the model). A float64 replay that misses the sampler beyond the bound and beyond ROUNDING_FACTOR
-times the learner's own float32 rounding on that batch is a mask error (`smd_cli.parity.mask_error`): the update is
-not made and the run stops with status `parity_broken`, never `completed`. Otherwise the miss was rounding: the run
-goes on, the miss is recorded and named in the status reason, and the bound stays where it was. It is never raised
-(not to a miss, not to a rounding scale), so every later miss is judged on its own batch again and no run of rounding
-misses can talk the guard into passing a mask error.
+float64 copy of the model). The update is not made, and the run stops with status `parity_broken` (never
+`completed`), when the float64 replay misses the sampler beyond the bound and beyond ROUNDING_FACTOR times the
+learner's own float32 rounding on that batch (a mask error, `smd_cli.parity.mask_error`), or when the replay is within
+rounding but the learner's miss is not (`smd_cli.parity.beyond_rounding`: the learner computes something else than
+its replay, as a learner with dropout on did). Otherwise the miss was rounding: the run goes on, the miss is recorded
+and named in the status reason, and the bound stays where it was. It is never raised (not to a miss, not to a rounding
+scale), so every later miss is judged on its own batch again and no run of rounding misses can talk the guard into
+passing a mask error.
 
 The guard's record (its bound and every miss judged as rounding) goes into each checkpoint and comes back on resume
 (`state_dict`, `load_state_dict`); a bound changed on resume (`guard.*` may change) is said in the status reason.
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from smd_cli.parity import float64_replay, mask_error
+from smd_cli.parity import beyond_rounding, float64_replay, mask_error
 
 # The contract's bound on the learner's parity per compute dtype (DESIGN.md contract 1): float32's is conf/check_parity.yaml's
 # parity.bound. A dtype missing here is not judged unless guard.parity_bound is set.
@@ -99,6 +101,14 @@ class ParityGuard:
                                      f"above the bound {self.bound:g}, and the float64 replay of that step's rollout at the same "
                                      f"weights misses the sampler by {wide['max_abs_diff']:.3g} (float32 rounding "
                                      f"{wide['rounding']:.3g}): a mask error, not rounding; the step's update was not made")
+            raise ParityBroken(self.broken)
+        if beyond_rounding(value, wide, self.bound):
+            self._break(step, value, f"at step {step} the learner's parity max |log p_learner - log p_sampler| was {value:.3g}, "
+                                     f"above the bound {self.bound:g}, while the float64 replay of that step's rollout at the same "
+                                     f"weights is within rounding of the sampler ({wide['max_abs_diff']:.3g}, float32 rounding "
+                                     f"{wide['rounding']:.3g}): the learner's forward is not the replay's function (a training-mode "
+                                     "behaviour such as dropout or router jitter, or an error of the learner's own path), not "
+                                     "rounding; the step's update was not made")
             raise ParityBroken(self.broken)
         self.misses.append({"step": step, "parity": float(value), "float64": wide["max_abs_diff"], "rounding": wide["rounding"]})
 
