@@ -104,7 +104,7 @@ def rows_of(batch: RolloutBatch, rows: slice) -> RolloutBatch:
 
 def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None,
                    micro_batch: int | None = None) -> dict[str, float]:
-    """The shadow replay with `model` in float64 (`smd_cli.widening`: one module's tensors widened at a time, no float64
+    """The shadow replay with `model` in float64 (`smd_cli.widening`: one layer's tensors widened at a time, no float64
     copy of the model; SDPA, no gradient; eval mode), `micro_batch` rows at a time, against the sampler, and `rounding`: the largest
     |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale at which the
     sampler's float32 log-probs are rounded too."""

@@ -4,7 +4,7 @@ A miss (the learner's first pass beyond the bound) is judged by a float64 replay
 the very weights that missed it (before the step's update); the bound is never raised, so a second, smaller miss is
 judged again on its own batch; the guard's record survives a resume. The learner's misses are put in by a stand-in for
 the learner's mismatch statistics (`misses`) and, where the verdict is set by the test, a stand-in float64 replay
-(`replays`), which records the batch and weights it was handed. And the replay itself: the model in float64 one module
+(`replays`), which records the batch and weights it was handed. And the replay itself: the model in float64 one layer
 at a time (`smd_cli.widening`) gives a float64 copy's log-probs exactly, touches none of the model's tensors, and needs
 a fraction of the copy's memory."""
 
@@ -139,7 +139,7 @@ def test_the_guards_record_survives_a_resume(llama, tmp_path, misses, replays):
     assert later["parity/rounding_misses"] == 3  # 3e-5 is within the new bound: no fourth miss
 
 
-def test_the_float64_replay_widens_one_module_at_a_time(tiny_model, tiny_tokenizer):
+def test_the_float64_replay_widens_one_layer_at_a_time(tiny_model, tiny_tokenizer):
     prompts = [tiny_tokenizer.encode(" f1 f2 f3 k4 v5 f6 f7 f8 f9 f10 f11 QUERY k4 ANSWER")] * 2 + \
               [tiny_tokenizer.encode(" f3 f9 k1 v2 f9 f7 QUERY k1 ANSWER")] * 2
     torch.manual_seed(0)
@@ -161,3 +161,23 @@ def test_the_float64_replay_widens_one_module_at_a_time(tiny_model, tiny_tokeniz
     # a row at a time gives the same numbers (float32's rounding of the narrow replay may move in its last bits)
     assert parity.float64_replay(tiny_model, batch, 1.0, micro_batch=1) == pytest.approx(parity.float64_replay(tiny_model, batch, 1.0),
                                                                                          rel=1e-6, abs=1e-12)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "hunyuan_v1_moe"])
+def test_the_float64_replay_of_a_mixture_of_experts_is_a_float64_copys(family, tiny_tokenizer):
+    """Mixtral's experts run transformers' grouped matmul, which has no float64 mode (the guard's old float64 copy
+    crashed there: "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"); HunYuan-MoE's gate reads its
+    router's dtype from outside the router. The widened replay equals a float64 copy on the eager experts loop."""
+    from tests.test_architecture_allowlist import tiny
+
+    model = tiny(family, tiny_tokenizer)
+    torch.manual_seed(0)
+    batch = generate(model, [tiny_tokenizer.encode(" f1 f2 f3 k4 v5 f6 f7 QUERY k4 ANSWER")] * 2, policy=SnapKV(compression=0.5, window=2),
+                     max_new_tokens=4, temperature=1.0, eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)
+    wide = copy.deepcopy(model).double()
+    wide.config._experts_implementation = "eager"
+    with widening.float64(model):
+        logp = parity._replay_logp(model, batch, 1.0, None)
+    assert torch.equal(logp, parity._replay_logp(wide, batch, 1.0, None))
+    assert model.config._experts_implementation not in (None, "eager")  # put back
+    assert parity.float64_replay(model, batch, 1.0)["max_abs_diff"] <= 1e-5

@@ -5,7 +5,7 @@ rollouts) measures that parity in its first pass: `mismatch/max_abs_diff`, the l
 `ParityGuard` judges it against the bound of the run's compute dtype (`contract_bound`: PARITY_BOUNDS, check-parity's
 1e-5 for float32; `guard.parity_bound` overrides it), the way check-parity judges a miss, and on the very batch and
 weights of the miss: `learner_step` hands it the first pass's numbers before its update (`check`), and a miss beyond
-the bound is replayed in float64 there and then (`smd_cli.parity.float64_replay`, one module widened at a time: no
+the bound is replayed in float64 there and then (`smd_cli.parity.float64_replay`, one layer widened at a time: no
 float64 copy of the model). The update is not made, and the run stops with status `parity_broken` (never
 `completed`), when the float64 replay misses the sampler beyond the bound and beyond ROUNDING_FACTOR times the
 learner's own float32 rounding on that batch (a mask error, `smd_cli.parity.mask_error`), or when the replay is within
