@@ -181,3 +181,37 @@ def test_the_float64_replay_of_a_mixture_of_experts_is_a_float64_copys(family, t
     assert torch.equal(logp, parity._replay_logp(wide, batch, 1.0, None))
     assert model.config._experts_implementation not in (None, "eager")  # put back
     assert parity.float64_replay(model, batch, 1.0)["max_abs_diff"] <= 1e-5
+
+
+VOCABULARY_SIZE = (1, 64, 64, 2, dict(hidden=128, intermediate=256, heads=4, kv_heads=2, head_dim=32, vocab=32768))
+
+
+@pytest.mark.parametrize("size", ["plan_check 0", "vocabulary"])
+def test_the_planner_counts_the_float64_replay_within_15_percent(size):
+    """`smd plan` counts the guard's replay of a miss (`planner.parity_replay_bytes`) against the live tensor bytes
+    the replay holds: at bench/plan_check.py's first size (its layer moment is the larger) and at a large vocabulary
+    (its vocabulary moment)."""
+    import importlib.util
+
+    from smd_cli.models import build_tiny_model
+    from smd_cli.planner import Arch, Run, parity_replay_bytes
+    from tests.conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("plan_check", ROOT / "bench" / "plan_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    layers, P, R, rows, widths = check.SMALL[0] if size == "plan_check 0" else VOCABULARY_SIZE
+    arch = Arch(layers=layers, **widths)
+    model = build_tiny_model(arch.vocab, seed=0, num_hidden_layers=layers, hidden_size=arch.hidden, intermediate_size=arch.intermediate,
+                             num_attention_heads=arch.heads, num_key_value_heads=arch.kv_heads, head_dim=arch.head_dim).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, arch.vocab, (P - 5 * i,), generator=generator).tolist() for i in range(rows)]
+    policy = SnapKV(compression=0.5, sink=check.SINK, window=check.WINDOW)
+    batch = generate(model, prompts, policy=policy, max_new_tokens=R, generator=generator, eos_token_id=-1, pad_token_id=0,
+                     measure_dense_kv=False)
+    parity.float64_replay(model, batch, 1.0)  # the first call finds the row floors of the float64 shapes
+    with live_tensor_peak() as live:
+        parity.float64_replay(model, batch, 1.0)
+    run = Run(arch=arch, compute_bytes=4, device="cpu", algo="smd", rows=rows, micro_batch=rows, rollout_rows=rows, prompt=P, response=R,
+              kept=int(policy.budget(torch.tensor([P]))[0]), cache_growth=R - 1, score_rows=check.WINDOW, parity_replay=True)
+    assert 0.85 <= parity_replay_bytes(run) / live.peak <= 1.15, (parity_replay_bytes(run), live.peak)
