@@ -121,22 +121,23 @@ def test_a_smaller_miss_after_a_clean_one_is_still_judged_and_can_break_the_run(
 
 
 def test_the_guards_record_survives_a_resume(llama, tmp_path, misses, replays):
-    # Every step misses (3e-5, above 1e-5), and every float64 replay finds rounding. A run stopped after step 2 and
-    # resumed to step 3 ends with the record of one run of 3 steps (before: the guard was rebuilt on resume).
+    # Every step misses (3e-5, above 1e-5), and every float64 replay finds rounding. A run stopped after step 1 and
+    # resumed to step 2 ends with the record of one run of 2 steps (before: the guard was rebuilt on resume).
     misses["at"] = {i: 3e-5 for i in range(1, 10)}
-    _, whole = run_train(llama, tmp_path / "whole", "steps=3", "checkpoint.every=1")
+    fast = ["checkpoint.every=1", "eval.num_prompts=0"]
+    _, whole = run_train(llama, tmp_path / "whole", "steps=2", *fast)
     run = tmp_path / "parts"
-    run_train(llama, run, "steps=2", "checkpoint.every=1")
+    run_train(llama, run, "steps=1", *fast)
     misses["batches"].clear()
-    _, parts = run_train(llama, run, "steps=3", "checkpoint.every=1", "resume=true")
+    _, parts = run_train(llama, run, "steps=2", *fast, "resume=true")
     assert whole["status"] == parts["status"] == "completed"
     assert parts["status_reason"] == whole["status_reason"]
-    assert whole["parity/rounding_misses"] == parts["parity/rounding_misses"] == 3
-    assert whole["status_reason"].startswith("parity above the bound 1e-05 at 3 step(s) (1, 2, 3; largest 3e-05 at step 1)")
+    assert whole["parity/rounding_misses"] == parts["parity/rounding_misses"] == 2
+    assert whole["status_reason"].startswith("parity above the bound 1e-05 at 2 step(s) (1, 2; largest 3e-05 at step 1)")
     # a bound changed on resume is said
-    _, later = run_train(llama, run, "steps=4", "checkpoint.every=1", "resume=true", "guard.parity_bound=1e-4")
-    assert "the parity bound was 1e-05 until step 3 and 0.0001 after (guard.parity_bound changed on resume)" in later["status_reason"]
-    assert later["parity/rounding_misses"] == 3  # 3e-5 is within the new bound: no fourth miss
+    _, later = run_train(llama, run, "steps=3", *fast, "resume=true", "guard.parity_bound=1e-4")
+    assert "the parity bound was 1e-05 until step 2 and 0.0001 after (guard.parity_bound changed on resume)" in later["status_reason"]
+    assert later["parity/rounding_misses"] == 2  # 3e-5 is within the new bound: no third miss
 
 
 def test_the_float64_replay_widens_one_layer_at_a_time(tiny_model, tiny_tokenizer):
