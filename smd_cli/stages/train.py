@@ -54,7 +54,7 @@ from smd_cli.stages.planning import check_fits
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
                                        stop_diverged)
-from smd_cli.stages.train_parity import ParityGuard
+from smd_cli.stages.train_parity import ParityBroken, ParityGuard
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
@@ -299,6 +299,8 @@ def _run(cfg: DictConfig, where: Whereabouts) -> dict:
     mem = PhaseMemory(run_.device)
     guard, stopped = CollapseGuard(cfg.guard.collapse_steps, history), None  # a resumed run judges its whole history
     parity = ParityGuard.of(cfg, compute_dtype(cfg, run_.device), distributed.size())
+    if resume_from is not None:
+        parity.load_state_dict(state.get("parity"), start)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
@@ -311,18 +313,17 @@ def _run(cfg: DictConfig, where: Whereabouts) -> dict:
                 policy.compression = controller.compression
             with mem.phase("rollout"), distributed.gathered(root), offloaded(offload):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
-            parity.judge(model, batch)  # a miss of the step before, on this rollout (drawn at the weights the learner scores)
-            if parity.broken:
-                break
             with distributed.gathered(root):  # the sampler's agreement with the dense policy, where the learner has not both views
                 found, agreement_s = measured_agreement(model, batch, algo)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
             try:
-                with mem.phase("learner"):
-                    metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model)
+                with mem.phase("learner"):  # a parity miss is judged on this batch before the update (ParityGuard.check)
+                    metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model, parity.check(step + 1, model, batch))
                 guard.check_weights(step + 1, model)
+            except ParityBroken:  # a mask error: the update was not made; the summary says why
+                break
             except TrainingDiverged as err:
                 if log is not None:
                     log.close()
@@ -344,7 +345,10 @@ def _run(cfg: DictConfig, where: Whereabouts) -> dict:
             last = metrics
             state["seconds"] += distributed.largest(time.perf_counter() - t0)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
-            parity.observe(step + 1, metrics)
+            parity.observe(step + 1, metrics)  # several processes: no float64 replay judges a miss
+            state["parity"] = parity.state_dict()
+            if parity.broken:
+                break
             stopped = guard.after_step(step + 1, metrics)  # a certain collapse: stop, and evaluate what is left
             if stopped is not None:
                 break
@@ -352,8 +356,6 @@ def _run(cfg: DictConfig, where: Whereabouts) -> dict:
                 save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
     if log is not None:
         log.close()
-    if parity.pending and stopped is None:  # the last step's miss, judged on one more rollout at the final weights
-        parity.judge(model, sample_step(cfg, cfg.steps, model, tokenizer, task, policy, pool, run_.device)[0])
     if stopped is None and not parity.broken:  # a collapsed policy's (or a broken learner's) weights are not published
         latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
         if cfg.checkpoint.get("at_end", True) and (latest is None or latest.step != cfg.steps):

@@ -44,6 +44,8 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
             table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
     console.print(table)
     rows = ((parity_label(summary, cfg), "train/mismatch/max_abs_diff_max"),
+            ("parity: the bound it is held to (never raised)", "parity/bound"),
+            ("parity: steps above it, each replayed in float64: rounding", "parity/rounding_misses"),
             ("a dense learner on the same rollouts: max |log p - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
             ("KV entries the sampler kept (mean)", "train/kv/kept_fraction_mean"),
             ("answer-bearing KV the sampler kept (mean)", "train/evidence/kept_mean"),
