@@ -19,6 +19,8 @@ import math
 import statistics
 from pathlib import Path
 
+from smd_cli.integrity import atomic_text, write_file
+
 FIELDS = {"kv kept": "train/kv/kept_fraction_mean", "compression chosen": "train/compression_mean",
           "agreement p5": "train/agreement/p5_mean", "agreement mean": "train/agreement/mean_mean", "held-out, own cache": "eval/evict/reward_after",
           "held-out, dense cache": "eval/reward_after", "before, own cache": "eval/evict/reward_before"}
@@ -118,9 +120,9 @@ def main() -> None:
     text = markdown(table, rows)
     print(text)
     if args.md:
-        args.md.write_text(text)
+        write_file(args.md, text)
     if args.csv:
-        with args.csv.open("w", newline="") as f:
+        with atomic_text(args.csv) as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)

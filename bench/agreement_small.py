@@ -34,6 +34,7 @@ from smd_cli.stages.factories import build_policy, build_task
 from smd_cli.stages.model_loading import load_model
 from smd_cli.stages.prompts import encode_prompt, load_examples
 from smd_cli.stages.run_dirs import pick_device
+from smd_cli.integrity import write_file
 
 POLICIES = "snapkv,h2o,recent,random,knorm"
 COMPRESSIONS = "0.3,0.4,0.5,0.6,0.7,0.8,0.9"
@@ -98,7 +99,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"| {r['policy']} | {r['compression']:g} | " + " | ".join(f"{r[c]:.4g}" for c in columns) + " |")
     if args.json:
-        args.json.write_text(json.dumps({"argv": argv if argv is not None else sys.argv[1:], "rows": rows}, indent=1))
+        write_file(args.json, json.dumps({"argv": argv if argv is not None else sys.argv[1:], "rows": rows}, indent=1))
     return rows
 
 

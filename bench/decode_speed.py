@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from smd_cli.eviction.snapkv import SnapKV  # noqa: E402
 from smd_cli.models import build_tiny_model  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
+from smd_cli.integrity import write_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -237,7 +238,7 @@ def main() -> None:
         report["graph_check"] = graph_check(device)
         print("graph check:", json.dumps(report["graph_check"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_file(args.out, json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")
 
 

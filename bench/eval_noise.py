@@ -32,6 +32,7 @@ from smd_cli.evaluation import evaluate
 from smd_cli.stages.factories import build_policy, build_task
 from smd_cli.stages.model_loading import compute_dtype, load_model, set_precision
 from smd_cli.stages.prompts import load_examples
+from smd_cli.integrity import write_file
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
 
@@ -101,7 +102,7 @@ def main(argv=None) -> dict:
                   "difference at " + ", ".join(f"{n}: {e['cell_se'][n]:.3f} / {e['paired_se'][n]:.3f}" for n in SIZES), flush=True)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_file(args.json, json.dumps(result, indent=2))
     return result
 
 

@@ -48,6 +48,7 @@ from smd_cli.precision import build_optimizer  # noqa: E402
 from smd_cli.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
 from smd_cli.scoring import response_hidden, vocab_terms  # noqa: E402
+from smd_cli.integrity import write_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -280,7 +281,7 @@ def main() -> None:
         report[name]["seconds"] = time.perf_counter() - started
         report[name]["model"] = kwargs["widths"]
         print(f"{name}: {'ok' if report[name]['ok'] else 'FAILED'} ({report[name]['seconds']:.1f} s)", flush=True)
-        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=2, default=float))
+        write_file(args.out / "gpu_check.json", json.dumps(report, indent=2, default=float))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     sys.exit(0 if all(v["ok"] for k, v in report.items() if isinstance(v, dict)) else 1)

@@ -150,8 +150,9 @@ def main(argv: list[str]) -> None:
         print(f"| {a['pair']} | {a['compression']} | {a['exact']:.3f} | {b['exact']:.3f} | {a['reward']:.3f} | {b['reward']:.3f} | "
               f"{a['kept_prompt_fraction']:.3f} | {b['kept_prompt_fraction']:.3f} | {both} |")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"weights": ours["weights"], "kvpress": theirs.get("kvpress"), "transformers_kvpress": theirs["transformers"],
+        from smd_cli.integrity import write_file  # here: the kvpress side runs in an environment without smd
+
+        write_file(args.json, json.dumps({"weights": ours["weights"], "kvpress": theirs.get("kvpress"), "transformers_kvpress": theirs["transformers"],
                                          "args": {k: str(v) for k, v in vars(args).items()}, "ours": mine, "kvpress_rows": peer}, indent=1) + "\n")
 
 

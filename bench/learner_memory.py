@@ -41,6 +41,7 @@ from smd_cli.precision import build_optimizer  # noqa: E402
 from smd_cli.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
 from smd_cli.scoring import response_logits  # noqa: E402
+from smd_cli.integrity import write_file  # noqa: E402
 
 # TINY: a step of `make train` (16 prompts x 8 samples); PAPER: distinct prompts, as bench/plan_check.py --paper
 TINY = dict(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, vocab=541, prompt=256, response=5, rows=128, group=8)
@@ -168,7 +169,7 @@ def main(argv=None) -> dict:
             print(f"{name:14s} {r['peak_bytes'] / mib:12.2f} {r['over_dense']:11.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_file(args.json, json.dumps(result, indent=2))
     return result
 
 

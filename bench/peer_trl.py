@@ -50,6 +50,7 @@ BENCH = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # `python bench/peer_trl.py` from a checkout without the editable install
     sys.path.insert(0, str(ROOT))
 
+from smd_cli.integrity import write_file  # noqa: E402
 from smd_cli.tasks.synthetic import NeedleRetrieval  # noqa: E402
 
 PROMPTS_PER_STEP, GENERATIONS, NEW_TOKENS, LR, SEED = 2, 8, 8, 1e-3, 0
@@ -188,7 +189,7 @@ def trl_worker(args) -> None:
         "old_logps_forward": config.gradient_accumulation_steps % (config.steps_per_generation * config.num_iterations) != 0,
     }
     assert checks["dtype"] == "torch.float32" and not checks["bf16"] and not checks["checkpointing"], checks
-    Path(args.worker_out).write_text(json.dumps({"step_time": times, "rollout_s": gen, "checks": checks}))
+    write_file(Path(args.worker_out), json.dumps({"step_time": times, "rollout_s": gen, "checks": checks}))
 
 
 def run_one(name: str, args, tmp: Path, model_dir: Path, tag: str) -> tuple[dict, list[str]]:
@@ -317,7 +318,7 @@ def main() -> None:
         "seconds": time.perf_counter() - start,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    write_file(args.out, json.dumps(report, indent=1) + "\n")
     print(f"\nwrote {args.out} ({report['seconds']:.0f} s in all)")
 
 

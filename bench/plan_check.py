@@ -31,6 +31,7 @@ from smd_cli.planner import Arch, Run, plan  # noqa: E402
 from smd_cli.precision import build_optimizer  # noqa: E402
 from smd_cli.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.rollout import generate  # noqa: E402
+from smd_cli.integrity import write_file  # noqa: E402
 
 PAPER = dict(hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
 # (layers, P, R, rows, widths): the suite's sizes span prompt-, response- and vocabulary-dominated regimes
@@ -142,7 +143,7 @@ def main() -> None:
         print(f"  learner dynamic memory, smd / naive_sparse: {r['smd_over_naive_sparse']:.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2))
+        write_file(args.json, json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from smd_cli.rollout import generate, response_texts
 from smd_cli.stages.factories import build_policy, build_task
 from smd_cli.stages.model_loading import load_model, weights_label
 from smd_cli.stages.rollout import parity_report
+from smd_cli.integrity import write_file
 
 POLICIES = ["snapkv", "h2o", "recent", "random", "knorm"]
 COMPRESSIONS = [0.3, 0.5, 0.7, 0.9]
@@ -219,7 +220,7 @@ def main(argv: list[str]) -> None:
     print(f"weights: {result['weights']}; {result['seconds']:.0f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+        write_file(args.json, json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":

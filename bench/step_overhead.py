@@ -24,6 +24,7 @@ from smd_cli.learner import ALGORITHMS, Algorithm, learner_step
 from smd_cli.losses import group_advantages
 from smd_cli.models import build_tiny_model, build_tiny_tokenizer
 from smd_cli.rollout import generate
+from smd_cli.integrity import write_file
 
 
 def main(argv=None) -> dict:
@@ -88,7 +89,7 @@ def main(argv=None) -> dict:
               "rounds_over_naive_sparse": {n: [t / r for t, r in zip(times[n], times["naive_sparse"])] for n in names}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2))
+        write_file(args.json, json.dumps(result, indent=2))
     return result
 
 

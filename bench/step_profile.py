@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from smd_cli.integrity import write_file
+
 PHASES = [  # (label, file suffix, function name): cumulative seconds from the profile
     ("whole run (smd train)", "smd_cli/stages/train.py", "run"),
     ("model load", "smd_cli/stages/model_loading.py", "load_model"),
@@ -100,7 +102,7 @@ def main() -> None:
     step_times = [r["step_time"] for r in rows]
     print(f"step_time as logged: {', '.join(f'{t:.2f}' for t in step_times)} s")
     if args.json:
-        args.json.write_text(json.dumps({"steps": args.steps, "overrides": args.overrides, "wall_s": wall, "phases_s": found,
+        write_file(args.json, json.dumps({"steps": args.steps, "overrides": args.overrides, "wall_s": wall, "phases_s": found,
                                          "step_time_s": step_times}, indent=2) + "\n")
 
 

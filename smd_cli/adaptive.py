@@ -66,13 +66,23 @@ def trace(rows: list[dict], most: int = 30) -> str:
 
 def problem(cfg) -> str | None:
     """What depends on several keys (each key's own rule is in `smd_cli.stages.rules`), as the config error's words:
-    an evicting algorithm, and min_compression <= start <= max_compression; None when all is well."""
+    an evicting algorithm and an eviction policy that evicts (else the controller's compression would be logged while
+    every entry is kept), responses of at least 2 tokens (the first is predicted by the dense prefill, so its agreement
+    is 1 by construction and would drive the controller), and min_compression <= start <= max_compression; None when all
+    is well. Every stage that reads `compression` checks it: train, plan, and a sweep before its first run."""
     if not is_adaptive(cfg):
         return None
     a = cfg.adaptive
     if not cfg.algo.evicting:
         return (f"compression=adaptive is not allowed with algo={cfg.algo.name}: it samples without eviction; use an "
                 "evicting algo (naive_sparse, sparse_rl, tis, mis, icepop, trm, smd)")
+    if str(cfg.eviction.get("_target_", "")).rsplit(".", 1)[-1] == "KeepAll":
+        return ("compression=adaptive is not allowed with eviction=none: it keeps every KV entry whatever the compression, "
+                "so the controller would log a compression nothing applies; choose an eviction policy (snapkv, h2o, ...)")
+    if cfg.sampling.max_new_tokens < 2:
+        return (f"sampling.max_new_tokens={cfg.sampling.max_new_tokens} is not allowed with compression=adaptive: at least 2 "
+                "(the first response token is predicted by the dense prefill, so its agreement is 1 whatever the eviction, "
+                "and the controller would read only that)")
     if a.min_compression > a.max_compression:
         return (f"adaptive.min_compression={a.min_compression} is not allowed: at most adaptive.max_compression="
                 f"{a.max_compression} (min_compression is the least evicted, the most KV kept)")

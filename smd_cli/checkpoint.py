@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from smd_cli.integrity import MANIFEST, DiskFull, Unwritable, verify, write_dir
+from smd_cli.integrity import MANIFEST, DiskFull, FileTooLarge, Unwritable, WriteFailed, append_line, verify, write_dir
 from smd_cli.io import to_json
 
 FORMAT = 2
@@ -71,14 +71,31 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
+def unreadable_weights(path: Path) -> list[str]:
+    """Problems with the safetensors files under `path` that a manifest cannot see (one written with a broken header and
+    checksummed as it was): each file's header is parsed (no tensor is read)."""
+    from safetensors import safe_open
+
+    problems = []
+    for file in sorted(Path(path).rglob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # SafetensorError, OSError: the header is not one safetensors wrote
+            problems.append(f"{file.relative_to(path)} cannot be read as safetensors ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0] if str(err) else ''})")
+    return problems
+
+
 def newest_intact(run_dir: Path, max_step: int | None = None) -> tuple[Checkpoint | None, list[tuple[Checkpoint, list[str]]]]:
-    """The newest checkpoint (at most `max_step`) whose files match its manifest, and the newer ones that do not
-    (each with its problems), newest first. Reads every byte of the checkpoints it verifies."""
+    """The newest checkpoint (at most `max_step`) whose files match its manifest and whose weights' headers parse
+    (`unreadable_weights`), and the newer ones that do not (each with its problems), newest first. Reads every byte
+    of the checkpoints it verifies."""
     corrupt = []
     for found in reversed(list_checkpoints(run_dir)):
         if max_step is not None and found.step > max_step:
             continue
-        problems = verify(found.path)
+        problems = verify(found.path) or unreadable_weights(found.path)
         if not problems:
             return found, corrupt
         corrupt.append((found, problems))
@@ -192,14 +209,14 @@ _SAFE = "the partial write was removed and earlier checkpoints are intact"
 
 
 def _write_dir(final: Path, write, what: str) -> None:
-    """`integrity.write_dir` (a full disk or a read-only place named, with what is still safe); any other failure
-    is an OSError saying the same."""
+    """`integrity.write_dir` (a full disk, a file-size limit or a read-only place named, with what is still safe); any
+    other failure is `integrity.WriteFailed` (an OSError) saying the same."""
     try:
-        write_dir(final, write, what, hint=f"{_SAFE}: make room, then continue with resume=true")
-    except (DiskFull, Unwritable):
+        write_dir(final, write, what, hint=f"{_SAFE}: make room (or raise the limit), then continue with resume=true")
+    except (DiskFull, FileTooLarge, Unwritable):
         raise
     except Exception as err:
-        raise OSError(f"writing {what} to {final} failed ({type(err).__name__}: {err}); {_SAFE}") from err
+        raise WriteFailed(f"writing {what} to {final} failed ({type(err).__name__}: {err}); {_SAFE}") from err
 
 
 def save_final(run_dir: Path, model, tokenizer=None, model_state: dict | None = None) -> Path:
@@ -247,7 +264,11 @@ def load_weights(model, model_dir: Path, trust_remote_code: bool = False) -> Non
     stays attached."""
     dtype = next(model.parameters()).dtype
     with _no_hf_progress_bars():
-        loaded = type(model).from_pretrained(model_dir, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
+        try:
+            loaded = type(model).from_pretrained(model_dir, use_safetensors=True, dtype=dtype, trust_remote_code=trust_remote_code)
+        except Exception as err:  # a broken header, a missing shard: named, never a traceback
+            raise ForeignCheckpoint(f"{model_dir}: its weights cannot be loaded ({type(err).__name__}: "
+                                    f"{str(err).splitlines()[0] if str(err) else ''})") from None
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     if missing or unexpected:
         raise ValueError(f"{model_dir}: weights do not match the model (missing {missing[:5]}, unexpected {unexpected[:5]})")
@@ -278,8 +299,8 @@ def resume_run(checkpoint: Checkpoint, model, trust_remote_code: bool = False,
     extra.pop("config", None)
     load_weights(model, checkpoint.path / "model", trust_remote_code)
     if launched_in is not None:
-        with (checkpoint.path.parent.parent / "resumes.jsonl").open("a") as f:
-            f.write(to_json({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}) + "\n")
+        append_line(checkpoint.path.parent.parent / "resumes.jsonl",
+                    to_json({"from_step": checkpoint.step, "launched_in": str(launched_in), "time": time.time()}), "the run's resumes.jsonl")
     return extra, state["rng"], state["optimizer"]
 
 

@@ -85,10 +85,30 @@ def run_dir_problem(path: Path) -> str | None:
     return None
 
 
-def check_run_dir(args: list[str], multirun: bool = False) -> None:
+def owner_problem(path: Path, verb: str) -> str | None:
+    """Why `path` cannot take a run of `smd VERB`: it holds another stage's run (its provenance.json names that stage, or
+    its argv does), whose summary.json, config.json, provenance.json and .hydra/ this one would replace."""
+    from smd_cli.records import Damaged, read_object
+
+    try:
+        provenance = read_object(path / "provenance.json", missing_ok=True)
+    except (Damaged, OSError):
+        return None
+    argv = provenance.get("argv") if isinstance(provenance.get("argv"), list) else []
+    typed = str(argv[0]) if argv else ""
+    owner = provenance.get("stage") or (typed.removeprefix("smd ") if typed.startswith("smd ") else None)
+    if owner is None or owner == verb:
+        return None
+    return (f"it holds a `smd {owner}` run, whose summary.json, config.json and provenance.json `smd {verb}` would replace; "
+            f"write this one beside it, e.g. hydra.run.dir={path / verb.replace('-', '_')}")
+
+
+def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = None) -> None:
     """`hydra.run.dir=DIR` (`hydra.sweep.dir=DIR` with `-m`; the last one given, as Hydra reads it, up to its first
     interpolation) must be a folder smd can create and write to: said as a config error before Hydra would fail on
-    it with a traceback. Without one, the default's `runs/` (`multirun/`) under the current directory is checked."""
+    it with a traceback (or write its .hydra/ there). Without one, the default's `runs/` (`multirun/`) under the
+    current directory is checked. A named DIR that holds another stage's run (`owner_problem`) or a link where a file
+    is written (`integrity.links_problem`) is refused too."""
     from smd_cli.stages.preflight import interpolation_problem, value_of
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -100,6 +120,10 @@ def check_run_dir(args: list[str], multirun: bool = False) -> None:
     problem = interpolation_problem(value)
     if not problem and fixed.strip():
         problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
+    if not problem and given and "${" not in value and not multirun and verb is not None:
+        from smd_cli.integrity import links_problem
+
+        problem = owner_problem(Path(value), verb) or links_problem(Path(value))
     if problem:
         report("config error", f"{key}={value!r} is not allowed: {problem}")
         raise SystemExit(2)
@@ -118,6 +142,17 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """`smd STAGE ARGS`; Ctrl-C at any moment ends it with one line and exit status 130 (a stage that can continue says
+    where it stopped and how: `smd train`, `smd ablate`, `smd reproduce`), never a traceback."""
+    verb = ((sys.argv[1:] if argv is None else argv) or ["STAGE"])[0]
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        report("interrupted", f"smd {verb} stopped by Ctrl-C", "yellow")
+        raise SystemExit(130) from None
+
+
+def _main(argv: list[str] | None = None) -> None:
     from smd_cli.lifetime import die_with_parent
 
     die_with_parent()  # started by `smd ablate` / `smd reproduce`: die with it (a no-op otherwise)
@@ -135,8 +170,9 @@ def main(argv: list[str] | None = None) -> None:
 
     import hydra
 
-    from smd_cli.integrity import release_all
-    from smd_cli.failures import ParityFailed, TrainingDiverged
+    from smd_cli.integrity import FileTooLarge, Unwritable, WriteFailed, release_all
+    from smd_cli.failures import Interrupted, ParityFailed, TrainingDiverged
+    from smd_cli.records import Damaged
     from smd_cli.stages.checks import ConfigError
 
     register_recipes()
@@ -153,10 +189,17 @@ def main(argv: list[str] | None = None) -> None:
         except ParityFailed as err:
             report("parity check failed", str(err))
             raise SystemExit(1) from None
+        except (Interrupted, KeyboardInterrupt) as err:  # Ctrl-C: one line (a stage that can continue says how), no traceback
+            report("interrupted", str(err) or f"smd {verb} stopped by Ctrl-C", "yellow")
+            raise SystemExit(130) from None
+        except (Unwritable, Damaged) as err:  # a link, a read-only place; a record that does not read back as written
+            report("cannot write" if isinstance(err, Unwritable) else "damaged record", str(err))
+            raise SystemExit(1) from None
         except OSError as err:
-            if err.errno != errno.ENOSPC:
+            named = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large"}.get(err.errno)
+            if named is None and not isinstance(err, (FileTooLarge, WriteFailed)):
                 raise
-            report("disk full", err.strerror if err.filename is None else str(err))
+            report(named or "write failed", err.strerror if err.filename is None and err.strerror else str(err))
             raise SystemExit(1) from None
         finally:
             release_all()
@@ -168,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         preflight.overrides(rest)  # an override Hydra cannot parse: said before any folder is made
         if not informational:
-            check_run_dir(rest, multirun)
+            check_run_dir(rest, multirun, verb)
         if verb == "ablate":
             rest = sweep_arguments(rest)
         if multirun and not informational:

@@ -20,7 +20,10 @@ at most FALLEN (half) of a positive baseline.
 - At the end of a run (said, not stopped; summary status "collapsed"): the last `window` steps silent with the
   reward fallen over them, or two or more silent with the reward fallen and the held-out reward fallen by half;
   or, silent or not, the reward fallen over the last `window` steps after the baseline's (the trend itself:
-  partial-credit or ROUGE rewards almost never give a silent step). A held-out reward that rose (after > before)
+  partial-credit or ROUGE rewards almost never give a silent step); or, however few steps the run has, the held-out
+  reward fallen by half and the gradient vanished (at most TINY_GRADIENT of the run's largest, exactly 0 included) over
+  the last steps, whatever their rewards: the updates before destroyed the policy (`smd train steps=4 optim.lr=1e30`,
+  whose baseline of 3 steps is itself made of collapsed steps). A held-out reward that rose (after > before)
   overrules these end-of-run signals: the run is not collapsed.
 
 The collapse began at `since`: the first silent step of the streak (for the trend: the first of the trailing steps
@@ -43,7 +46,8 @@ FALLEN = 0.5  # a mean reward at most this fraction of the baseline's has fallen
 class Collapse:
     since: int  # the first suspect step (1-based)
     step: int  # the last step judged
-    kind: str  # "same", "dead" (the silent streak's last step) or "fell" (the reward trend, no silent streak)
+    kind: str  # "same", "dead" (the silent streak's last step), "fell" (the reward trend, no silent streak) or
+    # "vanished" (the gradient gone at the end while the held-out reward fell)
     certain: bool
     reason: str
 
@@ -148,7 +152,34 @@ def verdict(rows: list[dict], window: int, end: bool = False, held_out: tuple[fl
         return Collapse(rows[-n]["step"], rows[-1]["step"], "same", False, _reason(rows, n, k, False, held_out))
     if trend(rows, window):
         return Collapse(_fall_since(rows, window), rows[-1]["step"], "fell", False, _reason(rows, 0, window, False, held_out))
+    gone = vanished(rows)
+    if gone and fell:
+        return Collapse(rows[-gone]["step"], rows[-1]["step"], "vanished", False, _vanished_reason(rows, gone, held_out))
     return None
+
+
+def vanished(rows: list[dict]) -> int:
+    """How many of the last steps had their gradient vanish (at most TINY_GRADIENT of the run's largest, which is
+    positive: some step did learn), whatever their rewards."""
+    largest = max((g for g in (_number(r, "grad_norm") for r in rows) if g is not None), default=0.0)
+    n = 0
+    for row in reversed(rows):
+        grad = _number(row, "grad_norm")
+        if largest <= 0 or grad is None or grad > TINY_GRADIENT * largest:
+            break
+        n += 1
+    return n
+
+
+def _vanished_reason(rows: list[dict], n: int, held_out: tuple[float, float]) -> str:
+    largest = max(_number(r, "grad_norm") or 0.0 for r in rows)
+    parts = [f"the gradient vanished ({_steps(rows[-n:])}: norm {_number(rows[-1], 'grad_norm'):.3g}, the run's largest {largest:.3g}) "
+             f"and the held-out reward fell by half or more ({held_out[0]:.3g} -> {held_out[1]:.3g}): the updates before "
+             "destroyed the policy, and no gradient is left to repair it"]
+    entropy, start = _number(rows[-1], "entropy"), baseline(rows, "entropy")
+    if entropy is not None and start is not None:
+        parts.append(f"token entropy {entropy:.3g} nats ({_steps(rows[:BASELINE_STEPS])}: {start:.3g})")
+    return "; ".join(parts)
 
 
 def _steps(rows: list[dict]) -> str:

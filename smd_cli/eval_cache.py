@@ -12,7 +12,9 @@ quantisation and precision settings (the seed too when the evaluation samples), 
 vector ISA, the device type, the versions of torch and transformers, and the source of `smd_cli` itself. Change any
 one and the key changes: a stored entry is never read for another evaluation. Greedy decoding is deterministic on
 one machine, and so is a seeded sampled one (one noise row per example, `smd_cli.evaluation`), so a hit is the number
-the evaluation would have computed. Entries are small JSON files under `CACHE/evals/`, written atomically.
+the evaluation would have computed. Entries are small JSON files under `CACHE/evals/`, written atomically and sealed
+with the SHA-256 of their content (`smd_cli.records.sealed`): an entry changed since it was written, or holding a value
+out of its range (`records.check_values`), is `records.Damaged` on `load`, named by the caller and evaluated again.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from smd_cli import records
 from smd_cli.io import package_versions, write_json
 
 PACKAGE = Path(__file__).resolve().parent
@@ -71,20 +74,26 @@ def path(cache_dir: str | Path, digest: str) -> Path:
 
 
 def load(cache_dir: str | Path, digest: str) -> dict[str, float] | None:
-    """The stored summary of the evaluation `digest`, or None (absent, unreadable or not this key's)."""
-    try:
-        record = json.loads(path(cache_dir, digest).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    """The stored summary of the evaluation `digest`, or None when there is none; `records.Damaged` naming the entry when
+    it does not read back as it was written (unreadable, changed since, another key's, a value out of range)."""
+    where = path(cache_dir, digest)
+    if not where.is_file():
         return None
-    summary = record.get("summary") if isinstance(record, dict) and record.get("key") == digest else None
-    return summary if isinstance(summary, dict) and all(_finite(v) for v in summary.values()) else None
+    try:
+        record = records.read_sealed(where)
+    except OSError as err:
+        raise records.Damaged(f"{where}: unreadable ({err})") from None
+    summary = record.get("summary")
+    if record.get("key") != digest or not isinstance(summary, dict) or not all(_finite(v) for v in summary.values()):
+        raise records.Damaged(f"{where}: not the entry of evaluation {digest[:12]} (its key or summary is not what was stored)")
+    return records.check_values(summary, str(where))
 
 
 def store(cache_dir: str | Path, digest: str, summary: dict[str, float]) -> bool:
     """Keep `summary` under `digest` (atomically); not when a value is not a finite number (JSON would change it)."""
     if not all(_finite(v) for v in summary.values()):
         return False
-    write_json(path(cache_dir, digest), {"key": digest, "summary": summary})
+    write_json(path(cache_dir, digest), records.sealed({"key": digest, "summary": summary}))
     return True
 
 

@@ -8,3 +8,7 @@ class TrainingDiverged(RuntimeError):
 
 class ParityFailed(RuntimeError):
     """A learner view that must equal the sampler's log-probs does not, beyond the bound."""
+
+
+class Interrupted(RuntimeError):
+    """Ctrl-C (SIGINT) stopped a stage; the message says where (the step, the last checkpoint) and how to continue."""

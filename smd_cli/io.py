@@ -15,7 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from smd_cli.integrity import write_file
+from smd_cli.integrity import append_line, write_file
 
 PACKAGES = ("torch", "transformers", "tokenizers", "hydra-core", "datasets", "rouge-score", "rich", "safetensors", "smd")
 
@@ -128,8 +128,7 @@ class MetricsLog:
             self.writer = SummaryWriter(log_dir=str(Path(run_dir) / "tb"))
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        with self.path.open("a") as f:
-            f.write(to_json({"step": step, **metrics}) + "\n")
+        append_line(self.path, to_json({"step": step, **metrics}), "the run's metrics.jsonl")  # never through a link
         if self.writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):

@@ -154,12 +154,13 @@ class CacheReads:
 
     def count_flips(self, layer: int, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor) -> int:
         """Codes of `layer` [B, Hkv, T, D] that the learner's own rounding would give otherwise than the rollout's, over
-        the `visible` [B, Hkv, T] entries (rounding-boundary flips from float noise: what the record repairs)."""
+        the `visible` [B, Hkv, T] entries (rounding-boundary flips from float noise: what the record repairs). Codes are
+        compared as the numbers they hold: fp8's +0 and -0 (bytes 0x00, 0x80) are one value, not a flip."""
         up_key, up_value = self.directions(layer, key.shape[-1], key.device)
         flipped = 0
         for x, up in ((key, up_key), (value, up_value)):
             own, _ = quantise(x, self.kind)
             recorded, _ = quantise(x, self.kind, up)
-            differs = own.view(torch.uint8) != recorded.view(torch.uint8)  # [B, Hkv, T, D]
+            differs = own.float() != recorded.float()  # [B, Hkv, T, D]; the codes are finite (clamped), never NaN
             flipped += int((differs & visible[..., None]).sum())
         return flipped

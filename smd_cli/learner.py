@@ -32,6 +32,7 @@ whatever parameters the optimizer holds.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,7 @@ from smd_cli.distributed import LearnerPass
 from smd_cli.failures import TrainingDiverged
 from smd_cli.options import VIEWS
 from smd_cli.losses import aggregate, clipped_surrogate, k3_kl, mismatch_stats
+from smd_cli.models import learner_mode
 from smd_cli.rollout import RolloutBatch
 from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden, vocab_terms
 
@@ -160,11 +162,15 @@ def _trainable(optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None) -> dict[str, float]:
+def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor, algo: Algorithm, ref_model=None,
+                 check: Callable[[dict], None] | None = None) -> dict[str, float]:
     """Update `model` on `batch` (N sequences) with per-sequence `advantages` [N]; returns metrics.
 
     `model` may be a `LearnerPass` (FSDP2 over several processes, `smd_cli.distributed`): `batch` is then this
     rank's share, and every normaliser and metric is the whole batch's, so the update is the one-process one.
+    The forward runs in `models.learner_mode`: no dropout, no router jitter, the function the sampler ran. `check`,
+    when given, reads the first pass's mismatch with the sampler (`mismatch/*`) after its backward and before the
+    first optimizer step, at the weights the rollout was drawn with; it may raise to stop the step (no update).
     Raises `TrainingDiverged` (without stepping) on a non-finite loss or gradient norm."""
     forward, module = _runner(model)
     n = batch.input_ids.shape[0]
@@ -197,7 +203,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     # Gradients left by earlier code (e.g. the warm start) must not leak in. They are zeroed, not freed: kept
     # from one step to the next, backward adds into them in place (no second copy of the largest tensor).
     optimizer.zero_grad(set_to_none=False)
-    module.train()
+    learner_mode(module)
     sums = {"loss": 0.0, "loss/policy": 0.0, "loss/kl_ref": 0.0, "loss/distill": 0.0}
     low = high = ent = 0.0
     view_logp, teacher_logp, agreements = [], [], []  # agreements: SMD's, per real token (smd_cli.agreement)
@@ -241,6 +247,14 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
                 ent += float((terms["entropy"] * mask[s]).sum())
             for key, value in (("loss", loss), ("loss/policy", policy), ("loss/kl_ref", kl_ref), ("loss/distill", distill)):
                 sums[key] += float(value.detach()) / algo.num_iterations
+        if iteration == 0:  # the first pass's parity with the sampler, judged before any update
+            first = mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask)
+            if check is not None:
+                try:
+                    check(first)
+                except BaseException:
+                    module.eval()
+                    raise
         if old is None:  # a dense view whose pi_old was this first pass
             old = torch.cat(view_logp)
             metrics.update(correct(old, sampler, mask)[2])  # statistics over the whole batch
@@ -255,7 +269,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
 
     # the dense learner's mismatch on these rollouts: SMD's teacher, or the dense view itself
     dense_logp = torch.cat(teacher_logp) if teacher_logp else None if shadow else old
-    metrics.update(mismatch_stats("mismatch/", torch.cat(view_logp), sampler, mask))
+    metrics.update(first)
     if dense_logp is not None:
         metrics.update(mismatch_stats("mismatch/dense_", dense_logp, sampler, mask))
     if agreements:  # SMD: its shadow view (the sampler's) against its dense teacher, free (smd_cli.agreement)

@@ -43,7 +43,8 @@ _ANY_NUMBER = re.compile(_NUMBER)
 
 
 def canonical_number(text: str) -> str | None:
-    """`"$1,080.00."` -> `"1080"`: drop `$`, commas, a trailing period and trailing decimal zeros."""
+    """`"$1,080.00."` -> `"1080"`: drop `$`, commas, a trailing period and trailing decimal zeros. Exact for a number
+    of any length (no rounding to a context's precision: `1...1.5` with 28 ones stays itself)."""
     cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".").strip()
     try:
         value = Decimal(cleaned)
@@ -51,9 +52,14 @@ def canonical_number(text: str) -> str | None:
         return None
     if not value.is_finite():
         return None
-    if value == value.to_integral_value():
-        return str(value.quantize(Decimal(1)))
-    return format(value.normalize(), "f")
+    sign, digits, exponent = value.as_tuple()
+    digits = list(digits)
+    while exponent < 0 and len(digits) > 1 and digits[-1] == 0:  # trailing decimal zeros, dropped without arithmetic
+        digits.pop()
+        exponent += 1
+    if exponent < 0 and digits == [0]:
+        exponent = 0
+    return format(Decimal((sign, tuple(digits), exponent)), "f")  # formatting never rounds
 
 
 def _boxed_contents(text: str) -> list[str]:

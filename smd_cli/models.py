@@ -14,6 +14,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 from transformers.initialization import no_init_weights
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from smd_cli import row_floor
 from smd_cli.attention import use_smd_attention
@@ -259,6 +260,26 @@ def enable_checkpointing(model) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def learner_mode(model):
+    """The learner's forward computes the function the sampler ran (DESIGN.md contract 1), whatever the model's config.
+
+    The sampler runs the model in eval mode. transformers keys every stochastic training-mode behaviour on a module's
+    `training` flag: `nn.Dropout` (Phi3's `resid_pdrop`), attention dropout (`dropout=0.0 if not self.training else
+    self.attention_dropout`), MoE router and input jitter (Mixtral's `router_jitter_noise`, PhiMoE's
+    `input_jitter_noise`) and PhiMoE's sampled expert routing (its sparsemixer draws experts by Gumbel noise in
+    training mode, whatever the jitter). So every module stays in eval mode here, and only the decoder layers that
+    gradient checkpointing wraps are flagged `training`, each on itself and none of its children: transformers
+    recomputes a layer in backward only then (`GradientCheckpointingLayer`), and no decoder layer of the families
+    on the allow-list reads the flag for anything else (tests/test_learner_mode.py reads their source). TRL's GRPO
+    zeroes the `p` of every `nn.Dropout` instead (`disable_dropout`), which leaves attention dropout and router
+    jitter on. The learner puts the model back in eval mode (`model.eval()`) when its step is done."""
+    model.eval()
+    for layer in model.modules():
+        if isinstance(layer, GradientCheckpointingLayer) and layer.gradient_checkpointing:
+            layer.training = True
+    return model
 
 
 def load_hub_tokenizer(name_or_path: str, trust_remote_code: bool):

@@ -21,11 +21,11 @@ The check fails (the caller raises `ParityFailed`) when the shadow or physical v
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from smd_cli import widening
 from smd_cli.corrections.none import NoCorrection
 from smd_cli.learner import Algorithm, learner_step
 from smd_cli.losses import mismatch_stats
@@ -93,14 +93,34 @@ def _replay_logp(model, batch: RolloutBatch, temperature: float, logits_chunk: i
                        temperature, chunk=logits_chunk, support=batch.sampling_support)["logp"]
 
 
-def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None) -> dict[str, float]:
-    """The shadow replay with a float64 copy of `model` (SDPA, no gradient) against the sampler, and `rounding`:
-    the largest |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale
-    at which the sampler's float32 log-probs are rounded too."""
-    narrow = _replay_logp(model, batch, temperature, logits_chunk)
-    wide = copy.deepcopy(model).double()
-    logp = _replay_logp(wide, batch, temperature, logits_chunk)
-    del wide
+def rows_of(batch: RolloutBatch, rows: slice) -> RolloutBatch:
+    """The rollout's rows `rows`, everything a replay reads of them."""
+    cut = (lambda t: None if t is None else t[rows])
+    support = None if batch.sampling_support is None else batch.sampling_support.rows(rows)
+    return replace(batch, input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows], response_mask=batch.response_mask[rows],
+                   logprobs=batch.logprobs[rows], evict_at=cut(batch.evict_at), visibility=cut(batch.visibility), sampling_support=support,
+                   kv_rounding=cut(batch.kv_rounding), stats={})
+
+
+def float64_replay(model, batch: RolloutBatch, temperature: float, logits_chunk: int | None = None,
+                   micro_batch: int | None = None) -> dict[str, float]:
+    """The shadow replay with `model` in float64 (`smd_cli.widening`: one layer's tensors widened at a time, no float64
+    copy of the model; SDPA, no gradient; eval mode), `micro_batch` rows at a time, against the sampler, and `rounding`: the largest
+    |float32 replay - float64 replay|, the learner's own float32 rounding on this batch, the scale at which the
+    sampler's float32 log-probs are rounded too."""
+    n, modes = batch.input_ids.shape[0], [(m, m.training) for m in model.modules()]
+    narrow, wide = [], []
+    model.eval()  # the sampler's function, whatever mode the caller left it in (the learner's, inside its step)
+    try:
+        for start in range(0, n, micro_batch or n):
+            part = rows_of(batch, slice(start, min(start + (micro_batch or n), n)))
+            narrow.append(_replay_logp(model, part, temperature, logits_chunk))
+            with widening.float64(model):
+                wide.append(_replay_logp(model, part, temperature, logits_chunk))
+    finally:
+        for module, training in modes:
+            module.training = training
+    narrow, logp = torch.cat(narrow), torch.cat(wide)
     rounding = float((narrow.double() - logp)[batch.response_mask].abs().max()) if batch.response_mask.any() else 0.0
     return {**_stats(logp, batch), "rounding": rounding}
 
@@ -129,6 +149,15 @@ def mask_error(views: dict, bound: float) -> bool:
     return wide is not None and wide["max_abs_diff"] > max(bound, ROUNDING_FACTOR * wide["rounding"])
 
 
+def beyond_rounding(parity: float, wide: dict, bound: float) -> bool:
+    """Whether a learner's float32 parity `parity` is more than rounding explains, given the float64 replay of the same
+    batch at the same weights (`wide`, `float64_replay`'s): the learner's forward runs the replay's function, so it can
+    miss the sampler by at most the replay's float32 rounding plus the float64 replay's own miss; beyond `bound` and
+    ROUNDING_FACTOR times that sum, the learner computes something else than its replay (a training-mode behaviour
+    such as dropout or router jitter, or an error of the learner's own path), whatever the mask."""
+    return parity > max(bound, ROUNDING_FACTOR * (wide["rounding"] + wide["max_abs_diff"]))
+
+
 def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:
     """Every view's statistics against the sampler (`views`), whether the check passed (`passed`: every judged
     view within `bound`, and no mask error read off the float64 replay), the failing views (`failed`) and a
@@ -138,7 +167,7 @@ def check(model, batch: RolloutBatch, settings: Settings, bound: float) -> dict:
     if settings.physical and batch.evict_at is not None:
         views["physical"] = physical_view(model, batch, settings.temperature)
     if settings.float64:
-        views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk)
+        views["shadow_float64"] = float64_replay(model, batch, settings.temperature, settings.logits_chunk, settings.micro_batch_size)
     if batch.kv_quant != "none" and batch.evict_at is not None:
         views.update(mismatch_parts(model, batch, settings))
     failed = [v for v in JUDGED if v in views and not views[v]["max_abs_diff"] <= bound]

@@ -18,7 +18,8 @@ Three phases, each a sum of named terms (bytes), mirroring what the code allocat
   vocabulary chunk (`smd_cli.scoring`) and the LM head's weight gradients that autograd sums across chunks
   and with the tied embedding, and SMD's teacher hidden states. Its peak is the largest of these moments:
   the vocabulary's backward, a layer's backward, and where there is one, a whole no-grad forward (the
-  reference policy; Sparse-RL's pi_old over several micro-batches) or SMD's teacher rows beside the replay.
+  reference policy; Sparse-RL's pi_old over several micro-batches), SMD's teacher rows beside the replay, or the
+  parity guard's float64 replay of a miss (one layer widened at a time: no float64 copy of the model).
 
 Rows that repeat a prompt (GRPO's G samples) compute it once in the prefill and in the learner
 (`smd_cli.scoring.shared_prompt_views`); the plan counts every row's prompt, so for such batches it is an
@@ -39,7 +40,7 @@ at once (read off the profiler's live allocations of `bench/plan_check.py`); `te
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 
@@ -119,6 +120,7 @@ class Run:
     batch_level: bool | None = None  # the correction scores pi_old up front over micro-batches; None: Sparse-RL, TRM
     offload: bool = False  # optim.offload: masters, their gradients and the optimizer state on the host during the rollout
     kv_quant: str = "none"  # kv.quant: the rollout's cache in 8 bits (a code a byte, a float32 scale per token and KV head)
+    parity_replay: bool = False  # the parity guard may replay a miss in float64 inside the step (smd_cli.stages.train_parity)
 
     def __post_init__(self):  # frozen: the defaults of a run described by its name alone (benchmarks, tests)
         defaults = {"shadow": self.algo == "smd", "distill": self.algo == "smd", "batch_level": self.algo in ("sparse_rl", "trm")}
@@ -262,6 +264,8 @@ def learner_terms(run: Run) -> dict[str, float]:
     }
     if run.reference or (run.batch_level and run.rows > n):  # a whole no-grad pass before the step
         moments["no-grad forward"] = final + no_grad_layer(run, n, T) + 3 * 4.0 * logits
+    if run.parity_replay:  # a miss judged inside the step, after the first backward: float64, one layer widened at a time
+        moments["float64 parity replay"] = parity_replay_bytes(run)
     if teacher:  # the teacher's response rows beside the replay, on one layer's prompt keys and values
         tap = 2.0 * n * a.kv_heads * (T - R) * a.head_dim * b
         moments["replay with the teacher"] = checkpoints + tap + teacher + no_grad_layer(run, n, R, extra=n * a.heads * R * T * 4.0)
@@ -272,6 +276,18 @@ def learner_terms(run: Run) -> dict[str, float]:
     return {"held": held, "gathered weights": gathered, "checkpointed inputs": checkpoints, "layer recompute": grad_layer, "attention masks": attention,
             "vocabulary chunk": vocab_chunk, "head gradients": head_grads, "teacher states": teacher,
             **{f"moment: {k}": v for k, v in moments.items()}, "peak": max(moments.values())}
+
+
+def parity_replay_bytes(run: Run) -> float:
+    """The parity guard's float64 replay of one micro-batch (`smd_cli.parity.float64_replay`, `smd_cli.widening`), above
+    what the step holds: the larger of its layer moment (one decoder layer's float64 weights, a no-grad float64 layer over
+    [n, T], SDPA's response-row mask, bool then float64) and its vocabulary moment (the final hidden states, HEAD_ROWS rows
+    of the LM head widened, and two float64 [chunk, V] tensors). Measured at bench/plan_check.py's four sizes: 0.96 to
+    1.05 times the live bytes, 1.23 with a single row (tests/test_parity_guard.py holds two sizes to 15 %)."""
+    a, n, T, R = run.arch, run.micro_batch, run.width, run.response
+    layer = 8.0 * layer_params(a) + no_grad_layer(replace(run, compute_bytes=8), n, T) + n * a.heads * R * T * (1.0 + 8.0)
+    vocabulary = n * R * a.hidden * 8.0 + 8.0 * 4096 * a.hidden + 2 * 8.0 * min(run.chunk, n * R) * a.vocab
+    return max(layer, vocabulary)
 
 
 def offloaded_terms(run: Run, static: dict[str, float]) -> float:
@@ -290,8 +306,6 @@ def plan(run: Run) -> Plan:
 def largest_fitting(run: Run, field_name: str, limit: int, capacity: float) -> int | None:
     """The largest `micro_batch` (judged by the learner's peak) or `rollout_rows` (by the rollout's) in
     1..limit that fits `capacity` bytes, or None when not even 1 does."""
-    from dataclasses import replace
-
     phase = {"micro_batch": "learner_bytes", "rollout_rows": "rollout_bytes"}[field_name]
     best, low, high = None, 1, max(limit, 1)
     while low <= high:

@@ -14,7 +14,6 @@ Library code: no Hydra.
 from __future__ import annotations
 
 import csv
-import json
 import math
 import sys
 from pathlib import Path
@@ -23,8 +22,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli.integrity import write_file
-from smd_cli.io import read_jsonl
+from smd_cli import records
+from smd_cli.integrity import atomic_text, write_file
 
 console = Console(width=None if sys.stdout.isatty() else 140)
 LABELS = {  # summary key -> its short name in the console tables
@@ -87,8 +86,8 @@ def _weights(run_dir: Path) -> str | None:
     for name, read in (("summary.json", lambda d: d.get("model/weights")),
                        ("provenance.json", lambda d: (d.get("weights") or {}).get("label"))):
         try:
-            value = read(json.loads((run_dir / name).read_text()))
-        except (OSError, ValueError, AttributeError):
+            value = read(records.read_object(run_dir / name, missing_ok=True))
+        except (OSError, records.Damaged, AttributeError):
             continue
         if value:
             return str(value)
@@ -105,7 +104,7 @@ def write_table(out: Path, rows: list[dict], keys: list[str], metrics: list[str]
         table.add_row(*[_fmt(r.get(c)) for c in columns], style="red" if r["status"] != "ok" else None)
     console.print(table)
     write_file(out / "ablation.md", markdown(columns, [[_fmt(r.get(c)) for c in columns] for r in rows]))
-    with (out / "ablation.csv").open("w", newline="") as f:
+    with atomic_text(out / "ablation.csv") as f:
         writer = csv.DictWriter(f, fieldnames=["run", *keys, *metrics, "status", "error", "dir"], extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
@@ -127,7 +126,7 @@ def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[st
     console.print(table)
     write_file(out / "ablation_mean.md", f"Mean ± standard error over {', '.join(over)} (n finished / runs; a collapsed run "
                  "is counted and averaged in with its numbers).\n\n" + markdown(columns, cells))
-    with (out / "ablation_mean.csv").open("w", newline="") as f:
+    with atomic_text(out / "ablation_mean.csv") as f:
         fields = [*keys, *[c for m in metrics for c in (m, f"{m} se")], "n", "runs", "collapsed"]
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
@@ -184,8 +183,9 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
         path = Path(r["dir"]) / "metrics.jsonl"
         if path.is_file():
             try:
-                steps = read_jsonl(path)
-            except (OSError, ValueError):  # a run killed mid-line
+                steps = records.read_metrics(path, torn_tail_ok=True)  # a run killed mid-line: its steps before
+            except (OSError, records.Damaged) as err:  # named, never drawn
+                console.print(f"[yellow]note:[/yellow] {escape(str(err))}: its training curve is left out", highlight=False)
                 continue
             failed = r["status"] not in ("ok", "collapsed")
             left.plot([s.get("step") for s in steps], [s.get("reward") for s in steps], linestyle="--" if failed else "-",

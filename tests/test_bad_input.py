@@ -182,3 +182,52 @@ def test_cli_prints_one_config_error_line(tmp_path, capsys, content, shown):
     err = " ".join(capsys.readouterr().err.split())  # rich wraps at the terminal's width
     assert err.startswith(f"config error: task=gsm8k split 'test': {path}, {shown}") and "Traceback" not in err
     assert not (tmp_path / "run" / "test.jsonl").exists()
+
+
+@pytest.mark.parametrize("content, shown", [
+    ('{"question": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "#### 1"}\n',
+     "line 2: nested too deeply for the JSON reader (Python's recursion limit); a row is one JSON object of fields"),
+    ('{"question": "a \\ud800 b", "answer": "#### 1"}\n',
+     "line 2: field 'question' holds a lone UTF-16 surrogate (\\ud800 at character 2), which is not text"),
+], ids=["100,000 deep", "lone surrogate"])
+def test_a_deep_or_non_text_json_line_is_named_with_its_file_and_line(tmp_path, capsys, content, shown):
+    """Issue 40's probe: a 100,000-deep line was "maximum recursion depth exceeded ..." without the file or line; a lone
+    surrogate reached the tokenizer (a TypeError traceback)."""
+    from tests.conftest import smd
+
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(GOOD[GSM8K]) + "\n" + content)
+    assert smd("prepare-data", "task=gsm8k", f"task.data_files={path}", "splits=[test]", "progress=false",
+               f"hydra.run.dir={tmp_path / 'run'}") == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert err.startswith(f"config error: task=gsm8k split 'test': {path}, {shown}") and "Traceback" not in err, err
+
+
+def test_a_json_array_with_a_lone_surrogate_or_cut_anywhere_is_named_with_its_line(tmp_path):
+    rows = [GOOD[GSM8K], {"question": "q2", "answer": "#### 2"}]
+    for text in (json.dumps(rows, indent=2), json.dumps(rows)):  # a truncated array: every place it can be cut
+        for cut in range(1, len(text)):
+            path = tmp_path / "cut.json"
+            path.write_text(text[:cut])
+            with pytest.raises(DataFileError, match=re.escape(str(path)) + r", line \d+, column \d+: not valid JSON \("):
+                GSM8K(data_files=str(path)).examples("test")
+    path = tmp_path / "surrogate.json"
+    path.write_text(json.dumps([GOOD[GSM8K]]).rstrip("]") + ', {"question": {"x": ["a \\udc00"]}, "answer": "#### 1"}]')
+    with pytest.raises(DataFileError, match=re.escape(f"{path}, element 1 (line 1): field 'question.x[0]' holds a lone UTF-16 "
+                                                      "surrogate (\\udc00 at character 2)")):
+        GSM8K(data_files=str(path)).examples("test")
+
+
+def test_a_fifo_is_called_a_link_only_when_it_is_one(tmp_path):
+    """Issue 40's probe: a FIFO reached through a linked folder or a path with `..` was called "a link to ..."."""
+    import os
+
+    from smd_cli.tasks.datafiles import not_a_regular_file
+
+    (tmp_path / "data").mkdir()
+    os.mkfifo(tmp_path / "data" / "fifo.jsonl")
+    (tmp_path / "folder").symlink_to(tmp_path / "data")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "data" / "fifo.jsonl")
+    for path in (tmp_path / "folder" / "fifo.jsonl", tmp_path / "data" / ".." / "data" / "fifo.jsonl"):
+        assert not_a_regular_file(path) == "a named pipe (FIFO)"
+    assert not_a_regular_file(tmp_path / "link.jsonl") == f"a named pipe (FIFO) (a link to {tmp_path / 'data' / 'fifo.jsonl'})"

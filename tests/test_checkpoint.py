@@ -14,7 +14,7 @@ from smd_cli import checkpoint as ckpt
 from smd_cli import integrity, learner
 from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.failures import TrainingDiverged
+from smd_cli.failures import Interrupted, TrainingDiverged
 from smd_cli.io import read_jsonl
 from smd_cli.stages import train
 from smd_cli.stages.checks import ConfigError
@@ -116,7 +116,7 @@ def test_resume_is_bit_for_bit_even_after_a_killed_write(tmp_path, cache, monkey
     smd = ["algo=smd", "eviction=snapkv", "compression=0.5", "optim.lr=0.01"]
     straight, parts = tmp_path / "straight", tmp_path / "parts"
     # the 5-step warm start never earns a reward; a deterministic stand-in gives the GRPO term real advantages
-    monkeypatch.setattr(train, "rollout_rewards", lambda batch, *_: [-float(lp.sum()) for lp in batch.logprobs])
+    monkeypatch.setattr(train, "rollout_rewards", lambda batch, *_: [1 / (1 - float(lp.sum())) for lp in batch.logprobs])
     train_run(straight, cache, *smd, "steps=4")
     train_run(parts, cache, *smd, "steps=3")  # checkpoints at 2 and 3 (the end)
 
@@ -128,8 +128,8 @@ def test_resume_is_bit_for_bit_even_after_a_killed_write(tmp_path, cache, monkey
     with monkeypatch.context() as patch:
         patch.setattr(integrity, "_fsync", killed)
         patch.setattr(integrity, "_remove", lambda path: None)  # a killed process removes nothing
-        with pytest.raises(KeyboardInterrupt):
-            train_run(parts, cache, *smd, "steps=4", "resume=true")
+        with pytest.raises(Interrupted, match="Ctrl-C at step 4 of 4; last checkpoint: .*step_000003 \\(step 3\\)"):
+            train_run(parts, cache, *smd, "steps=4", "resume=true")  # as Ctrl-C is said: the step, the checkpoint
     left = list((parts / "checkpoints").glob(".step_000004.*.tmp"))
     assert len(left) == 1 and left[0].is_dir() and ckpt.latest_checkpoint(parts).step == 3
 

@@ -186,6 +186,44 @@ def test_a_damaged_middle_line_of_the_metrics_log_is_named_on_resume(trained, tm
     (run / "metrics.jsonl").write_text('{"step": 1, "rew\n{"step": 2}\n')
     monkeypatch.setattr("smd_cli.stages.warm_cache.warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     assert smd("train", *TINY, "steps=2", "resume=true", f"hydra.run.dir={run}", f"cache_dir={cache}") == 2
-    assert said(capsys) == (f"config error: resume=True: {run / 'metrics.jsonl'}:1: not a valid JSON line (Unterminated string "
-                            "starting at); only a torn last line (a write cut short by a kill) is dropped on its own: repair or "
-                            "delete that line, then resume")
+    assert said(capsys) == (f"config error: resume=True: {run / 'metrics.jsonl'}:1: not valid JSON (Unterminated string "
+                            "starting at); only a torn last line (a write cut short by a kill) is dropped on its own: restore the "
+                            "file or repair that line, then resume (or start a new run)")
+
+
+# -- misleading output (issue 40's probe) ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage, args, shown", [
+    ("train", ["compression=adaptive", "eviction=none"], "compression=adaptive is not allowed with eviction=none: it keeps every "
+     "KV entry whatever the compression, so the controller would log a compression nothing applies"),  # before: logged 0.3
+    ("train", ["compression=adaptive", "sampling.max_new_tokens=1"], "sampling.max_new_tokens=1 is not allowed with "
+     "compression=adaptive: at least 2 (the first response token is predicted by the dense prefill"),  # before: p5 1.0 drove it
+    ("plan", ["compression=adaptive", "adaptive.min_compression=0.8", "adaptive.max_compression=0.5"],
+     "adaptive.min_compression=0.8 is not allowed: at most adaptive.max_compression=0.5"),  # before: planned, train refused
+    ("ablate", ["algo=smd,dense", "compression=adaptive"], "ablate run algo=dense: compression=adaptive is not allowed with "
+     "algo=dense: it samples without eviction"),  # before: passed the sweep's pre-check, failed when the member ran
+], ids=["adaptive without eviction", "adaptive with one token", "plan", "sweep"])
+def test_adaptive_settings_train_refuses_are_refused_by_every_stage_before_anything_runs(tmp_path, capsys, monkeypatch, stage, args, shown):
+    monkeypatch.setattr(sweep, "member_command", lambda *a: pytest.fail("no run may start"))
+    assert smd(stage, *TINY, *args, f"hydra.run.dir={tmp_path / stage}") == 2
+    assert said(capsys).startswith(f"config error: {shown}")
+
+
+def test_an_unjudged_learner_row_says_why_and_adaptive_keys_under_a_fixed_compression_are_noted(tmp_path, cache, capsys):
+    """Before: `algo=dense kv.quant=int8` printed a "parity" row (1.8e-3) with no word that it is not judged or that the
+    cache is int8; `adaptive.target=0.5` with a fixed compression was ignored without a note."""
+    assert smd("train", *TINY, "steps=1", "algo=dense", "kv.quant=int8", "adaptive.target=0.5", f"hydra.run.dir={tmp_path / 'run'}",
+               f"cache_dir={cache}") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert ("note: adaptive.target=0.5: read only with compression=adaptive; this run's compression is fixed at 0.5, so nothing "
+            "reads them") in out
+    assert "sampler: no eviction, KV cache int8" in out and "│ parity:" not in out
+    assert "learner vs sampler, not judged (the sampler's KV cache is int8, the dense learner reads full precision)" in out
+
+
+def test_eval_of_one_example_says_it_has_no_standard_error(trained, tmp_path, cache, capsys):
+    assert smd("eval", f"checkpoint={trained / 'final'}", "task.prompt_tokens=48", "eval.limit=1", "progress=false",
+               f"cache_dir={cache}", f"hydra.run.dir={tmp_path / 'eval'}") == 0
+    out = capsys.readouterr().out
+    assert "(one example: no standard error)" in out and "nan" not in out  # before: `1.0000 ± nan`
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())["metric_stderr"] is None

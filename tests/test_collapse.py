@@ -107,6 +107,29 @@ def test_a_falling_reward_is_a_collapse_even_when_no_step_is_silent():
     assert collapse.verdict(noisy, 10, end=True) is None
 
 
+# Issue 40's probe: `smd train steps=4 optim.lr=1e30` ended "completed" (held-out reward 0.75 -> 0, greedy 1 -> 0, the
+# gradient norm exactly 0 from step 2). Four steps: the baseline (steps 1-3) is made of the collapsed steps themselves,
+# so the reward never "fell" against it, and three silent steps are fewer than the window (10).
+SHORT = [(0.25, 1.8, 0.81, 0.5)] + [(0.25, 6.29, 0.0, 1)] * 3
+
+
+def test_a_short_run_that_destroys_the_policy_is_a_collapse_however_few_its_steps():
+    short = rows(SHORT)
+    assert first_certain(short, 10) is None and collapse.verdict(short, 10, end=True) is None  # no held-out: nothing to tell
+    found = collapse.verdict(short, 10, end=True, held_out=(0.75, 0.0))
+    assert (found.since, found.step, found.kind, found.certain, found.last_good_step) == (2, 4, "vanished", False, 0)
+    assert found.reason == ("the gradient vanished (steps 2-4: norm 0, the run's largest 0.81) and the held-out reward fell by "
+                            "half or more (0.75 -> 0): the updates before destroyed the policy, and no gradient is left to repair "
+                            "it; token entropy 6.29 nats (steps 1-3: 4.79)")
+    assert collapse.verdict(short[:2], 10, end=True, held_out=(0.75, 0.0)).since == 2  # two steps are enough
+    # not a collapse: the held-out reward held (0.75 -> 0.5 is not half) or rose, or the gradient did not vanish
+    assert collapse.verdict(short, 10, end=True, held_out=(0.75, 0.5)) is None
+    assert collapse.verdict(rows([(1.0, 0.1, 0.0, 1)] * 4), 10, end=True, held_out=(0.75, 0.0)) is None  # never learned a thing
+    assert collapse.verdict(rows(HEALTHY), 10, end=True, held_out=(0.50, 0.56)) is None
+    live = rows([(0.25, 1.8, 0.81, 0.5)] + [(0.25, 6.29, 1e-3, 0.5)] * 3)
+    assert collapse.verdict(live, 10, end=True, held_out=(0.75, 0.0)) is None
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
@@ -242,3 +265,26 @@ def test_non_finite_weights_after_a_step_stop_the_run_as_diverged():
         assert guard.last_good == 3
         with torch.no_grad():
             model[1].bias[2] = 0.0
+
+
+def test_a_four_step_run_that_destroys_the_policy_is_not_completed(tmp_path, cache, rewards, monkeypatch, capsys):
+    """The probe's `smd train steps=4 optim.lr=1e30` at the test's size, the window at its default (10): lr=1e6
+    saturates the network at step 1 and every later gradient is exactly 0 while rewards still differ (at this size
+    lr=1e30 makes them NaN: diverged, checked last); the held-out evaluation is a stand-in with the probe's numbers
+    (0.75 before, 0 after)."""
+    rewards["rule"] = lambda step, token, _: token % 2 == 0
+    monkeypatch.setattr(train, "held_out", lambda *args: {f"eval/reward_{args[-1]}": 0.75 if args[-1] == "before" else 0.0})
+    run = tmp_path / "run"
+    assert smd_train(run, cache, "optim.lr=1e6", "steps=4", "guard.collapse_steps=10", "eval.reuse_before=false") == 1
+    logged = read_jsonl(run / "metrics.jsonl")
+    assert [r["grad_norm"] for r in logged[1:]] == [0.0] * 3 and all(r["frac_reward_zero_std"] < 1 for r in logged[1:])
+    said = summary(run)
+    assert (said["status"], said["collapse_since_step"], said["collapsed_at_step"], said["stopped"]) == ("collapsed", 2, 4, False)
+    assert said["status_reason"].startswith("the gradient vanished (steps 2-4: norm 0, the run's largest ")
+    assert "and the held-out reward fell by half or more (0.75 -> 0)" in said["status_reason"]
+    captured = capsys.readouterr()
+    assert "collapsed at step 2" in captured.out  # the console's status row
+    assert " ".join(captured.err.split()).startswith("training collapsed: the policy collapsed at step 2 (found at the end of the "
+                                                     "run at step 4): the gradient vanished")
+    assert smd_train(tmp_path / "e30", cache, "optim.lr=1e30", "steps=4", "eval.reuse_before=false") == 1
+    assert summary(tmp_path / "e30")["status"] == "diverged"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli import eval_cache
+from smd_cli import eval_cache, records
 from smd_cli.cli import CONF_DIR, register_recipes
 from smd_cli.models import build_tiny_model
 from smd_cli.stages import train
@@ -60,11 +60,36 @@ def test_the_key_changes_with_the_weights_the_prompts_and_the_settings():
     assert eval_cache.key(model, examples, prompts, {"eval": {"num_prompts": 2}}) != base
 
 
-@pytest.mark.parametrize("content", ["{not json", json.dumps({"key": "another", "summary": {"eval/reward_before": 0.5}}),
-                                     json.dumps({"key": "K", "summary": {"eval/reward_before": None}}), json.dumps(["K"])])
-def test_an_unreadable_or_foreign_entry_is_a_miss(tmp_path, content):
+def sealed(body) -> str:
+    """A cache entry as the cache writes one (`records.sealed`): this test's content, correctly sealed."""
+    return json.dumps(records.sealed(body))
+
+
+@pytest.mark.parametrize("content", ["{not json", sealed({"key": "another", "summary": {"eval/reward_before": 0.5}}),
+                                     sealed({"key": "K", "summary": {"eval/reward_before": None}}), json.dumps(["K"]),
+                                     json.dumps({"key": "K", "summary": {"eval/reward_before": 0.5}}),  # not sealed
+                                     sealed({"key": "K", "summary": {"eval/reward_before": 7.5}})])  # sealed, out of range
+def test_an_unreadable_foreign_or_edited_entry_is_named_and_never_read(tmp_path, content):
     (tmp_path / "evals").mkdir()
     (tmp_path / "evals" / "K.json").write_text(content)
-    assert eval_cache.load(tmp_path, "K") is None
+    with pytest.raises(records.Damaged, match=f"{tmp_path / 'evals' / 'K.json'}: "):
+        eval_cache.load(tmp_path, "K")
+    assert eval_cache.load(tmp_path, "absent") is None
     assert eval_cache.store(tmp_path, "K", {"eval/reward_before": 0.25}) and eval_cache.load(tmp_path, "K") == {"eval/reward_before": 0.25}
     assert not eval_cache.store(tmp_path, "N", {"eval/reward_before": float("nan")})  # JSON would turn it into null
+
+
+def test_an_entry_edited_on_disk_is_named_and_evaluated_again_by_smd_train(tmp_path, capsys):
+    """Issue 40's probe: an eval-cache entry edited to a held-out reward of 7.5 printed "before 7.5" (the entries had no
+    checksum). Now the run names the entry, evaluates again, and its numbers are the first run's."""
+    first = run(tmp_path, "first", "algo=smd")
+    (entry,) = (tmp_path / "cache" / "evals").glob("*.json")
+    edited = entry.read_text().replace(f'"eval/reward_before": {first["eval/reward_before"]}', '"eval/reward_before": 7.5')
+    assert edited != entry.read_text()
+    entry.write_text(edited)
+    capsys.readouterr()
+    second = run(tmp_path, "second", "algo=smd")
+    said = capsys.readouterr().out
+    assert f"{entry}: does not match its SHA-256 (changed since it was written); evaluating again" in " ".join(said.split())
+    assert "read from" not in said and before(second) == before(first)
+    assert eval_cache.load(tmp_path / "cache", entry.stem)["eval/reward_before"] == first["eval/reward_before"]  # rewritten

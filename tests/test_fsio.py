@@ -16,6 +16,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -23,7 +24,7 @@ from safetensors import SafetensorError
 
 from smd_cli import integrity, weights
 from smd_cli.cli import CONF_DIR
-from smd_cli.stages import model_loading
+from smd_cli.stages import model_loading, run_dirs
 from smd_cli.stages import rollout as rollout_stage
 from smd_cli.stages import sweep
 from smd_cli.stages.checks import ConfigError
@@ -189,6 +190,111 @@ def test_only_temporaries_of_dead_owners_on_this_host_are_abandoned(tmp_path):
     for name in names.values():
         (tmp_path / name).mkdir()
     assert [p.name for p in integrity.abandoned(tmp_path, "x")] == sorted([names["dead"], names["old style"]])
+
+
+def aged(path: Path, seconds: float) -> Path:
+    """`path` (and what is in it) last changed `seconds` ago."""
+    for p in [path, *path.rglob("*")]:
+        os.utime(p, (time.time() - seconds,) * 2, follow_symlinks=False)
+    return path
+
+
+def test_a_killed_build_of_another_hostname_is_removed_once_no_process_holds_it(tmp_path, gguf, capsys):
+    """Issue 40: temporaries were removed only when named by this host, so after a container restart (a new hostname) a
+    killed weights-cache build stayed on disk for good. Its writer's flock is gone: the next build removes it."""
+    built, entry = gguf
+    entry.parent.mkdir(parents=True)
+    left = entry.with_name(f".{entry.name}.4242@old-container.tmp")
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"x" * 4096)
+    aged(left, integrity.GRACE + 5)
+    load(real_model_config(tmp_path, None, "progress=true"))
+    assert not left.exists() and f"removed 1 temporary folder(s) a killed build left: {left.name}" in capsys.readouterr().out
+
+
+def test_a_temporary_whose_writer_holds_it_is_never_abandoned_whatever_its_host_or_age(tmp_path):
+    held = tmp_path / ".x.4242@another-host.tmp"
+    held.mkdir()
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, time
+        fd = os.open({str(held)!r}, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        print("holding", flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline().strip() == "holding"
+        aged(held, integrity.STALE + 5)
+        young = tmp_path / ".x.4243@another-host.tmp"
+        young.mkdir()  # nobody holds it, but it may be a writer about to take its lock
+        assert integrity.abandoned(tmp_path, "x") == []
+    finally:
+        writer.kill()
+        writer.wait()
+    assert integrity.abandoned(tmp_path, "x") == [held]  # its writer died (the kernel dropped the flock)
+
+    def write(folder):  # while a write is under way its temporary is held, even in the eyes of this very process
+        assert integrity.abandoned(tmp_path, "y") == [] and len(list(tmp_path.glob(".y.*.tmp"))) == 1
+        aged(folder, integrity.STALE + 5)
+        assert integrity.abandoned(tmp_path, "y") == []
+
+    integrity.write_dir(tmp_path / "y", write, "a folder")
+    assert not integrity.verify(tmp_path / "y")
+
+
+def test_nothing_is_written_through_a_link_or_over_one(tmp_path):
+    """Issue 40: RUN/.lock linked elsewhere was written through (O_CREAT follows links), a log opened for writing
+    truncated its link's target, and RUN/final as a link ended in a chained traceback that left final.old."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (outside / "model").mkdir()
+    (outside / "model" / "weights").write_text("old weights")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").symlink_to(outside / "precious.txt")
+    (run / "console.log").symlink_to(outside / "precious.txt")
+    (run / "summary.json").symlink_to(outside / "precious.txt")
+    (run / "final").symlink_to(outside / "model")
+    with pytest.raises(integrity.Unwritable, match=re.escape(f"{run / '.lock'} is a symbolic link (to {outside / 'precious.txt'})")):
+        integrity.hold(run)
+    with pytest.raises(ConfigError, match="is a symbolic link"):  # what a stage says
+        run_dirs.lock_run_dir(run)
+    with pytest.raises(integrity.Unwritable, match="console.log is a symbolic link"):
+        integrity.open_new(run / "console.log", "a run's console.log")
+    with pytest.raises(integrity.Unwritable, match="console.log is a symbolic link"):
+        integrity.append_line(run / "console.log", "a line")
+    with pytest.raises(integrity.Unwritable, match="summary.json is a symbolic link"):
+        integrity.write_file(run / "summary.json", "{}")
+    with pytest.raises(integrity.Unwritable, match="final is a symbolic link"):
+        integrity.write_dir(run / "final", lambda folder: (folder / "weights").write_text("new"), "the final weights")
+    assert (outside / "precious.txt").read_text() == "keep me" and (outside / "model" / "weights").read_text() == "old weights"
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "console.log", "final", "summary.json"]  # no final.old, no temporary
+    assert all((run / name).is_symlink() for name in (".lock", "console.log", "final", "summary.json"))
+
+
+def test_a_sweep_members_console_log_linked_elsewhere_is_not_written(tmp_path):
+    outside = tmp_path / "elsewhere.txt"
+    outside.write_text("keep me")
+    (tmp_path / "member").mkdir()
+    (tmp_path / "member" / "console.log").symlink_to(outside)
+    with pytest.raises(integrity.Unwritable, match="console.log is a symbolic link"):
+        sweep.run_logged([sys.executable, "-c", "print('output')"], tmp_path / "member" / "console.log", stream=False)
+    assert outside.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("error, free, named", [
+    (RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"), 10 << 20, None),  # before: "disk full"
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 584960 vs 584852"), 10 << 20, integrity.DiskFull),
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 584960 vs 584852"), 10 << 30, None),
+    (OSError(errno.EFBIG, "File too large"), 10 << 30, integrity.FileTooLarge),
+    (RuntimeError('Error while serializing: IoError(Os { code: 27, kind: FileTooLarge, message: "File too large" })'), 10 << 30,
+     integrity.FileTooLarge),
+], ids=["other error, low space", "torch's words, low space", "torch's words, space", "EFBIG", "safetensors EFBIG"])
+def test_only_a_write_that_ran_out_of_room_is_called_disk_full(tmp_path, monkeypatch, error, free, named):
+    monkeypatch.setattr(integrity.shutil, "disk_usage", lambda place: SimpleNamespace(free=free))
+    found = integrity.named_failure(error, tmp_path / "file", "a checkpoint")
+    assert (found is None) if named is None else isinstance(found, named), found
 
 
 def test_a_malformed_weights_record_is_named_or_rebuilt(tmp_path, gguf):

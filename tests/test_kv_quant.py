@@ -217,3 +217,24 @@ def test_chunks_concatenated_keep_each_rows_rounding_record_at_its_columns(tiny_
         assert torch.equal(batch.kv_rounding[rows, ..., shift : shift + width, :], record)
         assert not batch.kv_rounding[rows, ..., :shift, :].any()
     assert batch.kv_quant == "int8"
+
+
+def test_fp8_plus_and_minus_zero_are_the_same_code_not_a_flip():
+    """Issue 40: `count_flips` compared fp8 codes byte by byte, so +0 (0x00) against -0 (0x80), both read back as 0,
+    counted as a flip. Here the learner's own rounding of -1e-5 (scale 1) is -0, the recorded direction (up) gives +0:
+    the same value, so no flip; a real flip (a code of another value) is still counted."""
+    x = torch.zeros(1, 1, 1, 8)
+    x[..., 0], x[..., 1] = 448.0, -1e-5  # scale = 448 / 448 = 1; x / scale = -1e-5, below half fp8's 2^-9 spacing
+    own, _ = kv_quant.quantise(x, "fp8_e4m3")
+    recorded, _ = kv_quant.quantise(x, "fp8_e4m3", torch.ones(1, 1, 1, 8, dtype=torch.bool))
+    assert own.view(torch.uint8)[..., 1].item() == 0x80 and recorded.view(torch.uint8)[..., 1].item() == 0x00  # -0, +0
+    up = torch.zeros(1, 1, 1, 8, dtype=torch.bool)
+    up[..., 1] = True
+    rounding = kv_quant.pack(torch.stack([up, up]))[None, None]  # [N=1, L=1, 2, Hkv=1, T=1, 1]
+    reads = kv_quant.CacheReads("fp8_e4m3", rounding)
+    visible = torch.ones(1, 1, 1, dtype=torch.bool)
+    assert reads.count_flips(0, x, x, visible) == 0
+    x[..., 2] = 1.0625  # halfway between fp8's 1.0 and 1.125: the nudge (up) moves it from 1.0 to 1.125, a real flip
+    up[..., 2] = True
+    reads = kv_quant.CacheReads("fp8_e4m3", kv_quant.pack(torch.stack([up, up]))[None, None])
+    assert reads.count_flips(0, x, x, visible) == 2  # keys and values

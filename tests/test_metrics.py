@@ -105,3 +105,16 @@ def test_gsm8k_math_verify_option():
 
     task = GSM8K(math_verify=True)
     assert task.reward("\\boxed{18}", {"reference": "18"}) == 1.0 and task.primary_metric.name == "accuracy"
+
+
+def test_numbers_of_any_length_are_compared_exactly_and_never_raise():
+    """Issue 40's probe: a number of 29+ digits raised decimal.InvalidOperation (`quantize` at the default 28-digit
+    precision), and 28 digits and a half were rounded to the next integer. The canonical forms are written by hand."""
+    big = "1" * 29
+    assert canonical_number(big) == big
+    assert canonical_number(f"{'9' * 40}.000") == "9" * 40
+    assert canonical_number(f"{'1' * 28}.5") == f"{'1' * 28}.5"  # not rounded to ...112
+    assert canonical_number("-0.0") == "-0" and canonical_number("1.50") == "1.5"
+    assert gsm8k_accuracy(f"#### {big}", f"#### {big}") == 1.0
+    assert gsm8k_accuracy(f"so {'1' * 28}.5", f"#### {'1' * 27}2") == 0.0  # reward 0, and no exception
+    assert gsm8k_accuracy(f"#### {'7' * 5000}", "#### 18") == 0.0

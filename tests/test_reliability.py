@@ -35,8 +35,9 @@ def cache(tmp_path_factory):
 
 @pytest.fixture
 def signal(monkeypatch):
-    """The 5-step warm start never earns a reward: a deterministic stand-in gives GRPO real advantages."""
-    monkeypatch.setattr(train, "rollout_rewards", lambda batch, *_: [-float(lp.sum()) for lp in batch.logprobs])
+    """The 5-step warm start never earns a reward: a deterministic stand-in in (0, 1], as a task's reward is, gives GRPO
+    real advantages."""
+    monkeypatch.setattr(train, "rollout_rewards", lambda batch, *_: [1 / (1 - float(lp.sum())) for lp in batch.logprobs])
 
 
 def config(run_dir, cache, *overrides):

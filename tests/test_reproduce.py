@@ -162,9 +162,10 @@ def test_quick_reproduce_end_to_end(tmp_path):
 
 
 TABLE_KEYS = {"main_table": {"task": ["vote"], "algo": ["dense", "naive_sparse", "tis", "smd"]}, "ablate_lambda": {"lambda": ["0", "0.1", "0.8"]}}
-MEANS = {  # (dense cache, under eviction) held-out reward of each cell; every seed adds its warm start's w_s
-    "dense": (0.90, 0.30), "naive_sparse": (0.90, 0.40), "tis": (0.50, 0.10), "smd": (0.90, 0.70), "0": (0.5, 0.5), "0.1": (0.8, 0.8),
-    "0.8": (0.4, 0.4)}
+MEANS = {  # (dense cache, under eviction) held-out reward of each cell; every seed adds its warm start's w_s (up to 0.2 + 0.02
+    # of noise: every value stays in a reward's [0, 1], which `smd_cli.records` checks)
+    "dense": (0.70, 0.30), "naive_sparse": (0.70, 0.40), "tis": (0.30, 0.10), "smd": (0.70, 0.70), "0": (0.4, 0.4), "0.1": (0.7, 0.7),
+    "0.8": (0.3, 0.3)}
 
 
 def fake_ablate(root: Path, calls: list):

@@ -12,15 +12,16 @@ collapsed (status "collapsed", `status_reason`) has results like a completed one
 Each run's summary says which weights ran (`model/weights`): `model.source=auto` takes a Hub checkpoint
 when the Hub is reachable or cached and the dequantised GGUF otherwise, so runs of one table can differ by the
 network; `check_weights` refuses to pool or pair such runs (only a swept `model` key may tell them apart).
+Every record is read through `smd_cli.records`: one that is damaged or out of range (a summary's `eval/reward_after=5.0`,
+a bad line of a member's `metrics.jsonl`) stops the report with `records.Damaged` naming it; it is never used.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from smd_cli.io import read_jsonl
+from smd_cli import records
 from smd_cli.stats import USABLE, Cell, cell
 
 
@@ -72,12 +73,11 @@ class Run:
         return ",".join(f"{k}={v}" for k, v in self.values.items())
 
     def steps(self) -> list[dict]:
-        """metrics.jsonl, read once ([] when missing or unreadable)."""
+        """metrics.jsonl, read once and checked (`smd_cli.records.read_metrics`: a damaged line is `records.Damaged`
+        naming the file and line, never a column left blank); [] when the run has none."""
         if self._steps is None:
-            try:
-                self._steps = read_jsonl(self.dir / "metrics.jsonl")
-            except (OSError, ValueError):
-                self._steps = []
+            path = self.dir / "metrics.jsonl"
+            self._steps = records.read_metrics(path) if path.is_file() else []
         return self._steps
 
     def metric(self, key: str):
@@ -109,14 +109,15 @@ class Sweep:
         keys: list[str] = []
         rows: dict[tuple, Run] = {}
         for where in (directory, *more):
-            summary = json.loads((where / "summary.json").read_text())
+            summary = records.read_object(where / "summary.json")
             keys = keys or list(summary["sweep"])
             for row in summary["runs"]:
                 run_dir = Path(row["dir"])
                 if not run_dir.is_absolute():
                     run_dir = where / run_dir
                 status = row["status"]
-                member = _json(run_dir / "summary.json") if status != "not run" else {}  # a failed run's: why it ended
+                member = (records.read_summary(run_dir / "summary.json", missing_ok=True) if status in USABLE
+                          else _how_it_ended(run_dir) if status != "not run" else {})
                 reason = row.get("status_reason") or row.get("error")
                 values = {k: str(row[k]) for k in keys}
                 rows[tuple(values.values())] = Run(values, status, reason, run_dir, member)
@@ -166,6 +167,15 @@ class Sweep:
         return self.values("seed") if "seed" in self.keys else []
 
 
+def _how_it_ended(run_dir: Path) -> dict:
+    """A failed run's summary, read only for how it ended (`Run.ended`: its status and reason; its numbers are never
+    used); {} when it is missing or unreadable (the sweep's own reason then says why it failed)."""
+    try:
+        return records.read_object(run_dir / "summary.json", missing_ok=True)
+    except (records.Damaged, OSError):
+        return {}
+
+
 class WeightsDiffer(ValueError):
     """Runs that a report would pool or pair ran different weights."""
 
@@ -189,11 +199,3 @@ def check_weights(sweeps: dict[str, Sweep], shown: int = 3) -> None:
                                 f"pool or pair them: {named}. model.source=auto loads the Hub's checkpoint when the Hub is reachable "
                                 "or cached, and the dequantised GGUF otherwise: set model.source=hub or model.source=gguf, and run "
                                 "the runs of the other weights again (remove their directories)")
-
-
-def _json(path: Path) -> dict:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}

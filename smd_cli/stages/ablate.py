@@ -16,6 +16,9 @@ over it), and `summary.json`.
 
 from __future__ import annotations
 
+import shlex
+import signal
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -23,6 +26,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from smd_cli import integrity
+from smd_cli.failures import Interrupted
 from smd_cli.io import write_json
 from smd_cli.stats import aggregate
 from smd_cli.stages.checks import ConfigError
@@ -70,17 +74,20 @@ def run(cfg: DictConfig) -> dict:
     pending = [m for m in runs if m.identity not in done]
     console.print(f"ablate: {len(members)} combinations, {len(runs)} runs in {runs_dir} ({len(done)} finished already, "
                   f"{len(pending)} to run)")
-    if pending:
-        launch(pending, runs_dir)
     metrics = list(cfg.ablate.metrics)
+    if pending:
+        try:
+            launch(pending, runs_dir)
+        except KeyboardInterrupt:  # each member said where it stopped (its own summary.json); the sweep says what is left
+            raise interrupted(sweep_dir, runs_dir, sweep, members, metrics, done) from None
     rows = [row(m, runs_dir, metrics, reused=m.identity in done) for m in members]
     keys = [k for k, _ in sweep] + weights_key(rows)  # + weights when the runs ran different ones: never averaged together
     write_table(sweep_dir, rows, keys, metrics)
     write_plot(sweep_dir, rows, cfg.ablate.plot_metric)
     failed = [r for r in rows if r["status"] not in ("ok", "collapsed")]
     fallen = [r for r in rows if r["status"] == "collapsed"]
-    result = {"runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed], "collapsed": [r["run"] for r in fallen],
-              "runs_dir": str(runs_dir)}
+    result = {"status": "completed", "runs": rows, "sweep": dict(sweep), "failed": [r["run"] for r in failed],
+              "collapsed": [r["run"] for r in fallen], "runs_dir": str(runs_dir)}
     over = [k for k in keys if k in cfg.ablate.aggregate_over]
     if over:  # e.g. seed=0,1,2: one row per value of the other keys, mean and standard error over the seeds
         rest = [k for k in keys if k not in over]
@@ -109,11 +116,15 @@ def row(member: Member, runs_dir: Path, metrics: list[str], reused: bool) -> dic
     """The table row of a member, from what its directory holds."""
     run_dir = runs_dir / member.name
     record, unreadable = read_json(run_dir / "member.json")
-    summary, _ = read_json(run_dir / "summary.json")
+    summary, damaged = read_json(run_dir / "summary.json", summary=True)  # out of range: named, never shown as a result
     ok = finished(run_dir, member)
     if ok:  # completed, or collapsed: its numbers are what the collapsed policy does, flagged with the reason
         status = record["status"]
         error = summary.get("status_reason") if status == "collapsed" else None
+    elif damaged:
+        status, error = "failed", damaged
+    elif summary.get("status") == "interrupted":  # Ctrl-C: not finished, and not a failure of its config either
+        status, error = "interrupted", summary.get("status_reason")
     elif record.get("identity") == member.identity:
         code = record.get("returncode")
         status, error = (f"failed (exit {code})" if code else "failed"), record.get("error")
@@ -122,3 +133,22 @@ def row(member: Member, runs_dir: Path, metrics: list[str], reused: bool) -> dic
     return {"run": member.label, **dict(member.combo), "status": status, "error": error, "reused": reused,
             "run_status": summary.get("status") if ok else None, "status_reason": summary.get("status_reason") if ok else None,
             **{m: summary.get(m) if ok else None for m in metrics}, "dir": str(run_dir), "name": member.name}
+
+
+def interrupted(sweep_dir: Path, runs_dir: Path, sweep, members: list[Member], metrics: list[str], done: set[str]) -> Interrupted:
+    """Ctrl-C stopped the sweep: its summary.json says so (status "interrupted", every row as it stands), and the
+    error returned says, in one line, how many runs finished and the command that continues (finished runs are kept,
+    an interrupted one resumes from its last checkpoint)."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        rows = [row(m, runs_dir, metrics, reused=m.identity in done) for m in members]
+        finished_now = sum(r["status"] in ("ok", "collapsed") for r in rows)
+        write_json(sweep_dir / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C", "runs": rows, "sweep": dict(sweep),
+                                                "runs_dir": str(runs_dir)})
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    typed = list(getattr(sys, "orig_argv", []))  # the command as the user typed it (`smd ablate lambda=0.1,0.8 ...`)
+    given = typed[typed.index("ablate") + 1:] if "ablate" in typed else sys.argv[1:]
+    again = shlex.join(["smd", "ablate", *[a for a in given if not a.startswith("hydra.run.dir=")], f"hydra.run.dir={sweep_dir}"])
+    return Interrupted(f"Ctrl-C: {finished_now} of {len(rows)} runs of the sweep are finished in {runs_dir} (kept; an interrupted one "
+                       f"resumes from its last checkpoint); continue with: {again}")

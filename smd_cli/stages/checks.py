@@ -68,3 +68,17 @@ def one_line(err: BaseException) -> str:
             parts.append(text)
         err = err.__cause__
     return ": ".join(parts)
+
+
+def unread_keys_note(cfg: DictConfig) -> str | None:
+    """The note for `adaptive.*` keys given on the command line while `compression` is fixed: nothing reads them (the
+    run evicts `compression` of the prompt KV every step), which is said rather than ignored silently."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if cfg.get("compression") == "adaptive" or not HydraConfig.initialized():
+        return None
+    given = [o for o in HydraConfig.get().overrides.task if o.lstrip("+~").startswith("adaptive.")]
+    if not given:
+        return None
+    return (f"{', '.join(given)}: read only with compression=adaptive; this run's compression is fixed at {cfg.get('compression')}, "
+            "so nothing reads them")

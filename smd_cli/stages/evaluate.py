@@ -13,6 +13,7 @@ completion, reference, metrics, lengths) and `summary.json` (the primary metric 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -198,10 +199,17 @@ def run(cfg: DictConfig) -> dict:
     return summary
 
 
+def _with_error(value: float, stderr) -> str:
+    """`0.7500 ± 0.2500`; one example has no standard error, which is said (never `± nan`)."""
+    if isinstance(stderr, (int, float)) and math.isfinite(stderr):
+        return f"{value:.4f} ± {stderr:.4f}"
+    return f"{value:.4f} (one example: no standard error)"
+
+
 def print_summary(summary: dict, run_dir) -> None:
     name = summary["metric_name"]
-    rows = [(name, f"{summary['metric']:.4f} ± {summary['metric_stderr']:.4f}")]
-    rows += [(k, f"{v:.4f} ± {summary[f'{k}_stderr']:.4f}") for k, v in summary.items()  # the task's other metrics
+    rows = [(name, _with_error(summary["metric"], summary["metric_stderr"]))]
+    rows += [(k, _with_error(v, summary[f"{k}_stderr"])) for k, v in summary.items()  # the task's other metrics
              if f"{k}_stderr" in summary and k not in (name, "metric", "reward")]
     print_metrics(f"smd eval: {summary['task']}/{summary['split']} -> {run_dir}", summary,
                   ("n", "response_tokens_mean", "finished_fraction", "kv/bytes_peak", "kv/bytes_peak_dense",

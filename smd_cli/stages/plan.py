@@ -22,9 +22,10 @@ from dataclasses import replace
 from omegaconf import DictConfig
 from rich.table import Table
 
+from smd_cli import adaptive
 from smd_cli.io import write_json
 from smd_cli.planner import Run, largest_fitting, plan
-from smd_cli.stages.checks import check, check_offload
+from smd_cli.stages.checks import ConfigError, check, check_offload
 from smd_cli.stages.console import console
 from smd_cli.stages.planning import GIB, describe, gib
 from smd_cli.stages.rules import check_config
@@ -33,6 +34,8 @@ from smd_cli.stages.run_dirs import start_run
 def validate(cfg: DictConfig) -> None:
     """Every key's own rule (the train keys it plans, and `plan.*`), then the GPU count against the batch."""
     check_config(cfg, "plan")
+    if adaptive.problem(cfg):  # what `smd train` refuses, refused here too (min_compression above max_compression, ...)
+        raise ConfigError(adaptive.problem(cfg))
     check(cfg.grpo.prompts_per_step % cfg.plan.gpus == 0, "plan.gpus", cfg.plan.gpus,
           f"a divisor of grpo.prompts_per_step={cfg.grpo.prompts_per_step} (each GPU takes an equal share of whole prompt groups)")
     check_offload(cfg, cfg.plan.gpus)

@@ -18,6 +18,7 @@ from smd_cli.planner import Arch, Run, plan, rounding_record_bytes
 from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.factories import build_correction, build_policy, build_task
 from smd_cli.stages.model_loading import load_tokenizer
+from smd_cli.stages.train_parity import contract_bound, judged_view
 
 
 GIB = 2**30
@@ -79,8 +80,15 @@ def describe(cfg: DictConfig, device: str | None = None, gpus: int | None = None
         optimizer="adamw8bit" if str(cfg.optim.get("_target_", "")).startswith("bitsandbytes.") else "adamw",
         reference=g.beta > 0, logits_chunk=g.logits_chunk, lam=cfg["lambda"], gpus=gpus, offload=bool(cfg.optim.get("offload", False)),
         shadow=cfg.algo.view == "shadow", distill=bool(cfg.algo.distill), batch_level=build_correction(cfg).batch_level,
-        kv_quant=cfg.kv.quant,
+        kv_quant=cfg.kv.quant, parity_replay=parity_replays(cfg, dtype, gpus),
     )
+
+
+def parity_replays(cfg: DictConfig, dtype: str, gpus: int) -> bool:
+    """Whether `smd train`'s parity guard may replay a miss in float64 inside the step (`train_parity.ParityGuard`): a
+    judged view with a bound for `dtype` (or `guard.parity_bound`), on one process."""
+    explicit = OmegaConf.select(cfg, "guard.parity_bound")
+    return gpus == 1 and judged_view(cfg) and (explicit is not None or contract_bound(dtype) is not None)
 
 
 def host_terms(cfg: DictConfig, step: Run) -> dict[str, float]:

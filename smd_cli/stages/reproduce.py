@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -35,7 +37,8 @@ from omegaconf import DictConfig, open_dict
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli import lifetime
+from smd_cli import lifetime, records
+from smd_cli.failures import Interrupted
 from smd_cli.integrity import write_file
 from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
@@ -186,16 +189,51 @@ def hub_unreachable(timeout: float = 5.0) -> str | None:
     return None
 
 
+INTERRUPT_GRACE = 60.0  # seconds a command interrupted by Ctrl-C has to say where it stopped (a sweep waits for its runs)
+
+
 def run_logged(command: list[str]) -> int:
-    """Run `command` (which dies with this process: `smd_cli.lifetime`), its output streamed; its exit status."""
+    """Run `command` (which dies with this process: `smd_cli.lifetime`), its output streamed; its exit status. On
+    Ctrl-C, which reaches the command too, it is given `INTERRUPT_GRACE` to stop on its own before it is killed."""
     console.print(f"[bold]$ {escape(' '.join(command))}[/bold]", soft_wrap=True, highlight=False)
-    return subprocess.run(command, cwd=ROOT, env=lifetime.child_env()).returncode
+    proc = subprocess.Popen(command, cwd=ROOT, env=lifetime.child_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            proc.wait(timeout=INTERRUPT_GRACE)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        raise
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def run(cfg: DictConfig) -> dict:
+    """`smd reproduce`. Ctrl-C ends it with one line saying what is kept and the command that continues, and its
+    root's summary.json says "interrupted" (it says "completed", with the report, at the end)."""
     scale = validate(cfg)
-    started = time.time()
     root, out = layout(cfg, scale)
+    try:
+        result = _run(cfg, scale, root, out)
+    except KeyboardInterrupt:
+        again = shlex.join(["smd", "reproduce", *(HydraConfig.get().overrides.task if HydraConfig.initialized() else [])])
+        if (root / "provenance.json").is_file():  # the run started (`start_run`): its directory is ours to write
+            write_json(root / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C"})
+        raise Interrupted(f"Ctrl-C: smd reproduce stopped; the finished runs and benchmark results in {root} are kept (an "
+                          f"interrupted run resumes from its last checkpoint); continue with: {again}") from None
+    if "report" in result:
+        write_json(root / "summary.json", {"status": "completed", **result})
+    return result
+
+
+def _run(cfg: DictConfig, scale: str, root: Path, out: Path) -> dict:
+    started = time.time()
     seq = rule(cfg, scale)
     tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
     pending, prediction = show_plan(tables, cfg, scale, root, seq)
@@ -301,7 +339,11 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
                 if code:
                     console.print(f"[yellow]warning:[/yellow] bench/{name}.py failed (exit {code}): its table is left out")
                     continue
-            results.setdefault(name, []).append(json.loads(path.read_text()))
+            try:  # a result a killed or edited benchmark left is named and left out, never used
+                results.setdefault(name, []).append(records.read_object(path))
+            except records.Damaged as err:
+                console.print(f"[yellow]warning:[/yellow] {escape(str(err))}: bench/{name}.py's table is left out (remove the file "
+                              "to run it again)", highlight=False)
     return {"learner_memory": (results.get("learner_memory") or [None])[0], "step_overhead": results.get("step_overhead", [])}
 
 
@@ -317,7 +359,7 @@ def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
     if not path.is_file():
         console.print("[yellow]warning:[/yellow] smd check-parity wrote no parity.json: the parity claim reads the runs alone")
         return None
-    return json.loads(path.read_text())
+    return records.read_object(path)
 
 
 RECORDS = ("bench/*.json", "bench/check_parity/parity.json", "timing.json")  # what the report reads besides the runs and the rounds

@@ -6,6 +6,7 @@ reads runs, never loads it."""
 from __future__ import annotations
 
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -64,7 +65,7 @@ def start_run(cfg: DictConfig) -> Run:
         console.quiet = not distributed.is_main()  # one console: rank 0's
     if distributed.is_main():
         lock_run_dir(run_dir)  # one writer per run directory: a second process stops here, before it writes anything
-        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend})
+        write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": world.size, "backend": world.backend, "stage": stage_name()})
     distributed.barrier()
     return Run(run_dir, seed_everything(cfg.seed), device)
 
@@ -75,8 +76,14 @@ def open_sweep_dir(cfg: DictConfig) -> Path:
     `start_run`), so it starts without torch or transformers."""
     run_dir, overrides = run_dir_of(cfg)
     lock_run_dir(run_dir)
-    write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": 1, "backend": None})
+    write_provenance(run_dir, to_dict(cfg), overrides, ROOT, {"world_size": 1, "backend": None, "stage": stage_name()})
     return run_dir
+
+
+def stage_name() -> str | None:
+    """The stage that owns the run directory (its verb: train, eval, check-parity, ...; None when not run as `smd VERB`),
+    recorded in provenance.json: `smd VERB` refuses a directory that holds another stage's run (`smd_cli.cli.owner_problem`)."""
+    return sys.argv[0].removeprefix("smd ") if sys.argv and sys.argv[0].startswith("smd ") else None
 
 
 def run_dir_of(cfg: DictConfig) -> tuple[Path, list[str]]:

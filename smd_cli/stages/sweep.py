@@ -35,13 +35,14 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli import integrity, lifetime
+from smd_cli import adaptive, integrity, lifetime, records
 from smd_cli.heldout import LEGACY
 from smd_cli.io import write_json
 from smd_cli.stages.checks import ROOT, ConfigError, one_line
 from smd_cli.stages.rules import check_config
 
 OUTPUT_TAIL = 1 << 20  # bytes of a member's output kept in memory for its reason
+INTERRUPT_GRACE = 30.0  # seconds a member interrupted by Ctrl-C has to write its summary and say where it stopped
 SWEEP_PID = "SMD_SWEEP_PID"
 REASON_CHARS = 300
 # keys that change how a run is carried out, not what it computes: left out of a member's identity
@@ -198,6 +199,8 @@ def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
         check_config(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]), "train")
     except ConfigError as err:
         raise ConfigError(f"ablate run {label}: {err}") from None
+    if adaptive.problem(cfg):  # what depends on several keys, as `smd train` checks it (compression=adaptive with algo=dense)
+        raise ConfigError(f"ablate run {label}: {adaptive.problem(cfg)}")
     choices, identity = cfg.hydra.runtime.choices, config_identity(cfg)
     twin = config_identity(cfg, prompts=LEGACY) if cfg.eval.get("prompts", LEGACY) != LEGACY else None
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
@@ -263,7 +266,7 @@ def finished(run_dir: Path, member: Member) -> bool:
 def _finished(run_dir: Path, identity: str) -> dict | None:
     """The `member.json` of the finished run of the member `identity` in `run_dir`, else None."""
     record, _ = read_json(run_dir / "member.json")
-    summary, _ = read_json(run_dir / "summary.json")
+    summary, _ = read_json(run_dir / "summary.json", summary=True)
     done = (record.get("identity") == identity and record.get("status") in OUTCOMES.values()
             and OUTCOMES.get(summary.get("status")) == record.get("status"))
     return record if done else None
@@ -306,9 +309,11 @@ def _run_locked(run_dir: Path, overrides: list[str], identity: str, stream: bool
     command = member_command(overrides, run_dir)
     try:
         returncode, output = run_logged(command, run_dir / "console.log", stream, locked=run_dir)
+    except integrity.Unwritable as err:  # e.g. console.log is a link: nothing is run, nothing written through it
+        returncode, output = 126, f"error: {err}"
     except OSError as err:
         returncode, output = 127, f"error: could not start {command[0]}: {err}"
-    summary, unreadable = read_json(run_dir / "summary.json")
+    summary, unreadable = read_json(run_dir / "summary.json", summary=True)
     outcome = None if unreadable else OUTCOMES.get(summary.get("status"))  # collapsed: exit 1, but a finished result
     if outcome == "ok" and returncode != 0:
         outcome = None
@@ -316,7 +321,10 @@ def _run_locked(run_dir: Path, overrides: list[str], identity: str, stream: bool
     record = {"identity": identity, "overrides": overrides, "status": outcome or "failed", "returncode": returncode,
               "error": error, "run_status": summary.get("status"), "status_reason": summary.get("status_reason"),
               "seconds": round(time.time() - started, 1), "command": command}
-    write_json(run_dir / "member.json", record)
+    try:
+        write_json(run_dir / "member.json", record)
+    except integrity.Unwritable as err:  # member.json a link: the outcome is said here, and the member counts as failed
+        record.update(status="failed", error=str(err))
     if not stream:
         said = {"ok": "ok", "collapsed": f"collapsed: {record['status_reason']}"}.get(record["status"], f"failed: {error}")
         print(f"ablate: {run_dir.name}: {said} ({record['seconds']:.0f} s)", flush=True)
@@ -332,16 +340,19 @@ def run_logged(command: list[str], log: Path, stream: bool, locked: Path | None 
     integrity.make_dir(log.parent, "a run's console.log")
     env, fds = integrity.handed_down(locked) if locked is not None else ({}, ())
     tail = bytearray()
-    with log.open("wb") as sink:
+    with integrity.open_new(log, "a run's console.log") as sink:  # never through a link
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lifetime.child_env({**os.environ, **env}),
                                 pass_fds=fds)
         ours = {proc.stdout: sys.stdout, proc.stderr: sys.stderr}
         selector = selectors.DefaultSelector()
         for pipe in ours:
             selector.register(pipe, selectors.EVENT_READ)
-        try:
-            while selector.get_map():
-                for key, _ in selector.select():
+
+        def pump(until: float | None = None) -> None:
+            """Copy the command's output until it closes its pipes (or `until`, a time.monotonic())."""
+            nonlocal tail
+            while selector.get_map() and (until is None or time.monotonic() < until):
+                for key, _ in selector.select(None if until is None else max(until - time.monotonic(), 0)):
                     chunk = os.read(key.fileobj.fileno(), 65536)
                     if not chunk:
                         selector.unregister(key.fileobj)
@@ -354,7 +365,17 @@ def run_logged(command: list[str], log: Path, stream: bool, locked: Path | None 
                         tail += chunk
                         if len(tail) > 2 * OUTPUT_TAIL:
                             del tail[:-OUTPUT_TAIL]
+
+        try:
+            pump()
             returncode = proc.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the command too (one process group): let it say where it stopped
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                pump(time.monotonic() + INTERRUPT_GRACE)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            raise
         finally:
             if proc.poll() is None:  # interrupted: do not leave the run behind
                 proc.kill()
@@ -408,15 +429,13 @@ def failure_reason(returncode: int, output: str, summary: dict) -> str:
     return message or f"exit status {returncode}, nothing in its output"
 
 
-def read_json(path: Path) -> tuple[dict, str | None]:
-    """(the JSON object in `path`, or {}; why it could not be read, if it exists but is not a JSON object)."""
-    if not path.is_file():
-        return {}, None
+def read_json(path: Path, summary: bool = False) -> tuple[dict, str | None]:
+    """(the JSON object in `path`, or {}; why it could not be used, if it exists but is damaged: `smd_cli.records`,
+    with `summary` its values' ranges checked too)."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        return {}, f"unreadable {path.name} ({err})"
-    return (value, None) if isinstance(value, dict) else ({}, f"{path.name} is not a JSON object")
+        return (records.read_summary if summary else records.read_object)(path, missing_ok=True), None
+    except (records.Damaged, OSError) as err:
+        return {}, f"unusable {path.name} ({err})"
 
 
 def _workers_watch_this_process() -> None:

@@ -26,11 +26,12 @@ import time
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from smd_cli import adaptive, agreement
 from smd_cli import checkpoint as ckpt
-from smd_cli import distributed, eval_cache
+from smd_cli import distributed, eval_cache, integrity, records
 from smd_cli.evaluation import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
 from smd_cli.failures import ParityFailed, TrainingDiverged
@@ -42,17 +43,18 @@ from smd_cli.precision import MasterWeights, build_optimizer
 from smd_cli.profiler import PhaseMemory
 from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.shadow import resolve_backend
-from smd_cli.stages.checks import ConfigError, check, check_offload
+from smd_cli.stages.checks import ConfigError, check, check_offload, unread_keys_note
 from smd_cli.stages.console import console
 from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory
 from smd_cli.stages.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
 from smd_cli.stages.prompts import check_prompts, encode_prompt, held_out_examples, load_examples
 from smd_cli.stages.run_dirs import pick_device, start_run
+from smd_cli.stages.train_state import Whereabouts, stopped  # Ctrl-C and a failed write: one line, a status
 from smd_cli.stages.planning import check_fits
 from smd_cli.stages.rules import check_config
 from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
                                        stop_diverged)
-from smd_cli.stages.train_parity import ParityGuard
+from smd_cli.stages.train_parity import ParityBroken, ParityGuard
 from smd_cli.stages.train_summary import print_summary, run_statistics
 
 def validate(cfg: DictConfig) -> None:
@@ -61,6 +63,8 @@ def validate(cfg: DictConfig) -> None:
     check_algorithm(cfg)
     if adaptive.problem(cfg):
         raise ConfigError(adaptive.problem(cfg))
+    if unread_keys_note(cfg):
+        console.print(f"[yellow]note:[/yellow] {escape(unread_keys_note(cfg))}", highlight=False, soft_wrap=True)
     if cfg.model.replay == "flex" and not (cfg.device != "cpu" and torch.cuda.is_available()):
         raise ConfigError("model.replay='flex' trains only on CUDA (flex_attention has no CPU backward); use model.replay=auto")
     if cfg.eval.evicting and not cfg.algo.evicting and cfg.eval.dense_eviction is not None:
@@ -207,7 +211,11 @@ def held_out_before(model, tokenizer, task, examples, cfg) -> tuple[dict[str, fl
                 "seed": cfg.seed if cfg.eval.temperature > 0 else None,  # greedy: no noise is drawn
                 "precision": {k: cfg.model.get(k) for k in ("dtype", "cpu_dtype", "logits_dtype", "attention_dtype")}}
     digest = eval_cache.key(model, examples, [encode_prompt(task, e, tokenizer) for e in examples], settings)
-    found = eval_cache.load(cfg.cache_dir, digest)
+    try:
+        found = eval_cache.load(cfg.cache_dir, digest)
+    except records.Damaged as err:  # named, never used: evaluated again, and the entry replaced
+        console.print(f"[yellow]warning:[/yellow] {escape(str(err))}; evaluating again", highlight=False, soft_wrap=True)
+        found = None
     if found is not None:
         return found, str(eval_cache.path(cfg.cache_dir, digest))
     out = held_out(model, tokenizer, task, examples, cfg, "before")
@@ -216,6 +224,18 @@ def held_out_before(model, tokenizer, task, examples, cfg) -> tuple[dict[str, fl
 
 
 def run(cfg: DictConfig) -> dict:
+    """`smd train`. Ctrl-C, or a write that fails (a full disk, a file-size limit), ends it with one line naming the step,
+    the last checkpoint and the command that continues, and that status in summary.json (`train_state.stopped`)."""
+    where = Whereabouts()
+    try:
+        return _run(cfg, where)
+    except KeyboardInterrupt as err:
+        raise stopped(cfg, where, err) from None
+    except (integrity.DiskFull, integrity.FileTooLarge, integrity.WriteFailed, integrity.Unwritable) as err:
+        raise stopped(cfg, where, err) from None
+
+
+def _run(cfg: DictConfig, where: Whereabouts) -> dict:
     validate(cfg)
     distributed.init(pick_device(cfg))  # under torchrun: join the process group first (one process: nothing)
     check_context(cfg, response=False)  # the architecture, and a prompt within the model's positions, before anything is sized
@@ -224,6 +244,7 @@ def run(cfg: DictConfig) -> dict:
     run_ = start_run(cfg)  # prompt and response within the model's positions (`check_context`), then the run directory
     main = distributed.is_main()
     run_dir = resume_from.path.parent.parent if resume_from else run_.dir
+    where.run_dir = run_dir
     task = build_task(cfg)
     policy = rollout_policy(cfg)
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
@@ -271,12 +292,15 @@ def run(cfg: DictConfig) -> dict:
         if policy is not None:
             policy.load_state_dict(state.pop("policy", {}))
     summary = dict(state["summary"])
+    where.summary = summary
     log = MetricsLog(run_dir, truncate_after=start) if main else None
     history = distributed.from_main(lambda: read_jsonl(log.path) if log.path.is_file() else [])  # rank 0 reads, all get it
     last = {k: v for k, v in history[-1].items() if k != "step"} if history else {}
     mem = PhaseMemory(run_.device)
     guard, stopped = CollapseGuard(cfg.guard.collapse_steps, history), None  # a resumed run judges its whole history
     parity = ParityGuard.of(cfg, compute_dtype(cfg, run_.device), distributed.size())
+    if resume_from is not None:
+        parity.load_state_dict(state.get("parity"), start)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
     if rng is not None:
         ckpt.set_rng_state(rng)  # last, so that nothing between the restore and the first step draws from it
@@ -289,18 +313,17 @@ def run(cfg: DictConfig) -> dict:
                 policy.compression = controller.compression
             with mem.phase("rollout"), distributed.gathered(root), offloaded(offload):
                 batch, rewards = sample_step(cfg, step, model, tokenizer, task, policy, pool, run_.device)
-            parity.judge(model, batch)  # a miss of the step before, on this rollout (drawn at the weights the learner scores)
-            if parity.broken:
-                break
             with distributed.gathered(root):  # the sampler's agreement with the dense policy, where the learner has not both views
                 found, agreement_s = measured_agreement(model, batch, algo)
             t1 = time.perf_counter()
             bar.update(job, description=f"{algo.name}: learn  ")
             advantages = group_advantages(rewards, G, cfg.grpo.scale_rewards).to(run_.device)
             try:
-                with mem.phase("learner"):
-                    metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model)
+                with mem.phase("learner"):  # a parity miss is judged on this batch before the update (ParityGuard.check)
+                    metrics = learner_step(learner, optimizer, batch, advantages, algo, ref_model, parity.check(step + 1, model, batch))
                 guard.check_weights(step + 1, model)
+            except ParityBroken:  # a mask error: the update was not made; the summary says why
+                break
             except TrainingDiverged as err:
                 if log is not None:
                     log.close()
@@ -322,7 +345,10 @@ def run(cfg: DictConfig) -> dict:
             last = metrics
             state["seconds"] += distributed.largest(time.perf_counter() - t0)
             bar.update(job, advance=1, description=progress_text(algo.name, metrics))
-            parity.observe(step + 1, metrics)
+            parity.observe(step + 1, metrics)  # several processes: no float64 replay judges a miss
+            state["parity"] = parity.state_dict()
+            if parity.broken:
+                break
             stopped = guard.after_step(step + 1, metrics)  # a certain collapse: stop, and evaluate what is left
             if stopped is not None:
                 break
@@ -330,8 +356,6 @@ def run(cfg: DictConfig) -> dict:
                 save(cfg, run_dir, step + 1, model, tokenizer, optimizer, state, policy, root, protect=guard.protect())
     if log is not None:
         log.close()
-    if parity.pending and stopped is None:  # the last step's miss, judged on one more rollout at the final weights
-        parity.judge(model, sample_step(cfg, cfg.steps, model, tokenizer, task, policy, pool, run_.device)[0])
     if stopped is None and not parity.broken:  # a collapsed policy's (or a broken learner's) weights are not published
         latest = distributed.from_main(ckpt.latest_checkpoint, run_dir)
         if cfg.checkpoint.get("at_end", True) and (latest is None or latest.step != cfg.steps):

@@ -1,8 +1,13 @@
 """Checkpoint glue of `smd train`: save with the trainer's state, find the run to resume, restore it,
-and stop cleanly on divergence. The file format itself lives in `smd_cli.checkpoint`."""
+and stop cleanly on divergence, on Ctrl-C and on a write that fails (a full disk, a file-size limit): one line naming
+the step, the last checkpoint and the command that continues, and the status in `summary.json`. The file format
+itself lives in `smd_cli.checkpoint`."""
 
 from __future__ import annotations
 
+import shlex
+import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -13,9 +18,9 @@ from omegaconf import DictConfig
 from rich.markup import escape
 
 from smd_cli import checkpoint as ckpt
-from smd_cli import collapse, distributed
-from smd_cli.failures import TrainingDiverged
-from smd_cli.io import read_jsonl, write_json
+from smd_cli import collapse, distributed, integrity, records
+from smd_cli.failures import Interrupted, TrainingDiverged
+from smd_cli.io import write_json
 from smd_cli.stages.checks import ConfigError, to_dict
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import lock_run_dir
@@ -79,6 +84,8 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
             console.print(f"[yellow]note:[/yellow] resume=true found no checkpoint in {current}"
                           f"{'' if named_by_user(cfg) else ' or beside it'}; starting at step 0")
         return None
+    if integrity.links_problem(target):  # the run continued there (resume=PATH): checked as a named hydra.run.dir is
+        raise ConfigError(f"resume={cfg.resume!r}: {integrity.links_problem(target)}")
     lock_run_dir(target)
     removed = ckpt.remove_partial(target)
     if removed:
@@ -99,12 +106,16 @@ def find_resume(cfg: DictConfig) -> ckpt.Checkpoint | None:
         console.print(f"[yellow]warning:[/yellow] resuming from the newest intact checkpoint, {latest.path.name}")
     if latest.step > cfg.steps:
         raise ConfigError(f"steps={cfg.steps} is not allowed: {target} is already at step {latest.step}")
-    if (target / "metrics.jsonl").is_file():  # the log the run continues: a damaged line is said now, not after the model loads
-        try:
-            read_jsonl(target / "metrics.jsonl", torn_tail_ok=True)
-        except ValueError as err:
-            raise ConfigError(f"resume={cfg.resume!r}: {err}; only a torn last line (a write cut short by a kill) is dropped "
-                              "on its own: repair or delete that line, then resume") from None
+    log = target / "metrics.jsonl"
+    if not log.exists():  # a checkpoint copied into a folder of its own: continued, its statistics from here on (said)
+        console.print(f"[yellow]note:[/yellow] {target} has no metrics.jsonl: the run's statistics (train/* in summary.json, "
+                      f"train/steps_logged) will cover the steps after {latest.step} only", highlight=False, soft_wrap=True)
+    try:  # the log the run continues, every step up to the checkpoint: a damaged or cut log is said now, not used
+        if log.exists():
+            records.read_metrics(log, through=latest.step, torn_tail_ok=True)
+    except records.Damaged as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}; only a torn last line (a write cut short by a kill) is dropped "
+                          "on its own: restore the file or repair that line, then resume (or start a new run)") from None
     try:
         ckpt.check_config(latest, to_dict(cfg), RESUME_FREE_KEYS)
     except ckpt.ForeignCheckpoint as err:
@@ -121,8 +132,11 @@ def _described(corrupt: list) -> str:
 def resume(cfg: DictConfig, checkpoint: ckpt.Checkpoint, launched_in: Path, model) -> tuple[dict, dict, dict]:
     """Restore `checkpoint`'s weights (from `find_resume`): (the trainer's extra state, RNG states, the optimizer's
     state dict). Every rank reads the same files; rank 0 records the resumption."""
-    extra, rng, optimizer_state = ckpt.resume_run(checkpoint, model, bool(cfg.model.trust_remote_code),
-                                                  launched_in if distributed.is_main() else None)
+    try:
+        extra, rng, optimizer_state = ckpt.resume_run(checkpoint, model, bool(cfg.model.trust_remote_code),
+                                                      launched_in if distributed.is_main() else None)
+    except ckpt.ForeignCheckpoint as err:
+        raise ConfigError(f"resume={cfg.resume!r}: {err}") from None
     console.print(f"resuming {checkpoint.path.parent.parent} from {checkpoint.path.name}")
     return extra, rng, optimizer_state
 
@@ -208,3 +222,60 @@ def collapsed(run_dir: Path, found: collapse.Collapse, summary: dict) -> str:
     what = "stopped" if found.certain else "found at the end of the run"
     return (f"the policy collapsed at step {found.since} ({what} at step {found.step}): {found.reason}. "
             f"Last good checkpoint: {kept}")
+
+
+@dataclass
+class Whereabouts:
+    """Where a training run is, for the line and the summary a stop writes (`stopped`): its directory once known, and
+    its summary so far (the held-out evaluations before training)."""
+
+    run_dir: Path | None = None
+    summary: dict = field(default_factory=dict)
+
+
+def resume_command(cfg: DictConfig, run_dir: Path) -> str:
+    """The command line that continues the run in `run_dir` (its own overrides, `resume=true`)."""
+    given = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else list(cfg.get("overrides") or [])
+    kept = [o for o in given if not o.startswith(("resume=", "hydra.run.dir=", "run_dir=", "+run_dir="))]
+    return shlex.join(["smd", "train", *kept, f"hydra.run.dir={run_dir}", "resume=true"])
+
+
+def stopped(cfg: DictConfig, where: Whereabouts, err: BaseException) -> Exception:
+    """The run stopped by Ctrl-C (`err` a KeyboardInterrupt: status "interrupted") or by a write that failed (status
+    "failed"): `summary.json` says so with the last step logged, the newest intact checkpoint and the command that
+    continues (rank 0), and the returned error says it in one line. A second Ctrl-C meanwhile is ignored."""
+    interrupted = isinstance(err, KeyboardInterrupt)
+    said = err.strerror if isinstance(err, OSError) and err.strerror else str(err)  # the message, not "[Errno 28] ..."
+    what = "Ctrl-C" if interrupted else said  # after the CLI's label: "interrupted: Ctrl-C at step 3 ...", "disk full: ..."
+    if where.run_dir is None:
+        message = f"{what} before the run started; nothing was trained"
+        return Interrupted(message) if interrupted else err
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if interrupted else None
+    try:
+        run_dir = where.run_dir
+        try:
+            rows = records.read_metrics(run_dir / "metrics.jsonl", torn_tail_ok=True) if (run_dir / "metrics.jsonl").is_file() else []
+        except records.Damaged:
+            rows = []
+        step = rows[-1]["step"] if rows else 0
+        latest, _ = ckpt.newest_intact(run_dir) if distributed.is_main() else (None, [])
+        kept = f"{latest.path} (step {latest.step})" if latest else "none yet (resuming starts again at step 0)"
+        again = resume_command(cfg, run_dir)
+        reason = f"{'interrupted by Ctrl-C' if interrupted else said}, at step {step} of {cfg.steps}"
+        summary = {**where.summary, "status": "interrupted" if interrupted else "failed", "status_reason": reason,
+                   "steps": cfg.steps, "steps_run": step, "last_checkpoint": latest and str(latest.path), "resume_command": again}
+        if not interrupted:
+            summary["error"] = said
+        if distributed.is_main():
+            try:
+                write_json(run_dir / "summary.json", summary)
+            except (OSError, ValueError):  # the disk that stopped the run may not take this either: the line below says it all
+                pass
+        at = f"{what} at step {step}" if interrupted else f"{what.rstrip('.')}. Stopped at step {step}"
+        message = f"{at} of {cfg.steps}; last checkpoint: {kept}; continue with: {again}"
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        return Interrupted(message)
+    return type(err)(message) if isinstance(err, (integrity.DiskFull, integrity.FileTooLarge)) else integrity.WriteFailed(message)

@@ -13,9 +13,10 @@ def run_statistics(path) -> dict[str, float]:
     """Over all logged steps (`metrics.jsonl`, resumed runs included): the largest sampler/learner mismatch of
     the learner's own view and of a dense learner, the mean KV and answer-bearing KV kept, the mean fractions
     of tokens and sequences a rollout correction masked (MIS, IcePop, TRM), and the means of the agreement's 5th
-    percentile and mean (`smd_cli.agreement`) and of the rollouts' compression."""
+    percentile and mean (`smd_cli.agreement`) and of the rollouts' compression; and how many steps the log holds
+    (`train/steps_logged`: fewer than `steps_run` when a run was continued from a checkpoint without its log)."""
     rows = read_jsonl(path) if path.is_file() else []
-    out = {}
+    out = {"train/steps_logged": len(rows)}
     for key, reduce in (("mismatch/max_abs_diff", max), ("mismatch/dense_max_abs_diff", max), ("kv/kept_fraction", None),
                         ("evidence/kept", None), ("rollout_corr/masked_token_frac", None), ("rollout_corr/masked_seq_frac", None),
                         ("agreement/p5", None), ("agreement/mean", None), ("compression", None)):
@@ -42,7 +43,9 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
         if f"{key}_before" in summary or f"{key}_after" in summary:
             table.add_row(label, *(_number(summary.get(f"{key}_{when}")) for when in ("before", "after")))
     console.print(table)
-    rows = (("parity: max |log p_learner - log p_sampler|", "train/mismatch/max_abs_diff_max"),
+    rows = ((parity_label(summary, cfg), "train/mismatch/max_abs_diff_max"),
+            ("parity: the bound it is held to (never raised)", "parity/bound"),
+            ("parity: steps above it, each replayed in float64: rounding", "parity/rounding_misses"),
             ("a dense learner on the same rollouts: max |log p - log p_sampler|", "train/mismatch/dense_max_abs_diff_max"),
             ("KV entries the sampler kept (mean)", "train/kv/kept_fraction_mean"),
             ("answer-bearing KV the sampler kept (mean)", "train/evidence/kept_mean"),
@@ -52,8 +55,9 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
             ("the sampler's reward, last step", "last/reward"),
             ("peak memory, rollout / learner (MiB)", None), ("steps skipped (empty batch)", "train/skipped_steps"),
             ("GRPO seconds", "train/seconds"))
+    quant = (cfg.get("kv") or {}).get("quant", "none")
     training = Table(title=f"training, {cfg.steps} steps (max and mean over the steps); sampler: "
-                           f"{evicting if cfg.algo.evicting else 'no eviction'}")
+                           f"{evicting if cfg.algo.evicting else 'no eviction'}" + (f", KV cache {quant}" if quant != "none" else ""))
     training.add_column("metric")
     training.add_column("value", justify="right")
     for label, key in rows:
@@ -71,6 +75,21 @@ def print_summary(summary: dict, run_dir, cfg: DictConfig, policy) -> None:
     if summary.get("status_reason"):
         console.print(f"{summary.get('status', 'completed')}: {summary['status_reason']}", style="red" if summary.get("status", "completed") != "completed" else None,
                       markup=False, highlight=False, soft_wrap=True)
+
+
+def parity_label(summary: dict, cfg: DictConfig) -> str:
+    """The training table's first row: "parity" only where the run judged it (`parity/judged`, `train_parity`); else what
+    the number is and why it is not judged (a dense learner of evicted or 8-bit rollouts: that mismatch is reported)."""
+    if summary.get("parity/judged"):
+        return "parity: max |log p_learner - log p_sampler|"
+    quant = (cfg.get("kv") or {}).get("quant", "none")
+    if cfg.algo.view != "shadow" and cfg.algo.evicting:
+        why = "its dense learner does not see what the sampler evicted"
+    elif cfg.algo.view != "shadow" and quant != "none":
+        why = f"the sampler's KV cache is {quant}, the dense learner reads full precision"
+    else:
+        why = "no bound for this compute dtype (guard.parity_bound sets one)"
+    return f"learner vs sampler, not judged ({why}): max |log p_learner - log p_sampler|"
 
 
 def _compression(summary: dict, cfg: DictConfig) -> str:

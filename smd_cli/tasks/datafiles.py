@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import stat
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,6 +72,32 @@ def check_fields(row: dict, where: str, field_types: FieldTypes) -> None:
             raise DataFileError(f"{where}: {err}") from None
 
 
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a UTF-16 surrogate can only come from an escape: bytes would not decode
+
+
+def _too_deep(where: str) -> DataFileError:
+    return DataFileError(f"{where}: nested too deeply for the JSON reader (Python's recursion limit); a row is one JSON object "
+                         "of fields, each a string, a number or a shallow list or object")
+
+
+def check_text(value: Any, where: str, field: str | None = None) -> None:
+    """A DataFileError naming `where` and the field when a string in `value` holds a lone UTF-16 surrogate (`"\\ud800"`
+    in JSON): not text, so no tokenizer or UTF-8 writer can take it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DataFileError(f"{where}: field {field!r} holds a lone UTF-16 surrogate (\\u{ord(value[err.start]):04x} at "
+                                f"character {err.start}), which is not text; an escaped surrogate must be one of a pair "
+                                "(\\ud83d\\ude00), or write the character itself") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(item, where, key if field is None else f"{field}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, where, f"{field}[{i}]")
+
+
 def _snippet(line: str, column: int, width: int = 80) -> str:
     """`line` around 1-based `column`, at most `width` characters, as a repr."""
     line = line.rstrip("\r\n")
@@ -116,8 +143,7 @@ def not_a_regular_file(path: Path) -> str | None:
     kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
              (stat.S_ISDIR, "a directory"), (stat.S_ISSOCK, "a socket"))
     kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    target = os.path.realpath(path)
-    return kind + (f" (a link to {target})" if Path(target) != Path(path).absolute() else "")
+    return kind + (f" (a link to {os.path.realpath(path)})" if os.path.islink(path) else "")  # the path itself, not a folder on it
 
 
 def _too_big(path: Path, size: int, limit: int, what: str, key: str) -> DataFileError:
@@ -171,6 +197,8 @@ def _json_lines_bounded(path: Path, limit: int | None, max_row_bytes: int, max_f
                 continue
             try:
                 value = json.loads(line)
+            except RecursionError:
+                raise _too_deep(f"{path}, line {number}") from None
             except json.JSONDecodeError as err:
                 if not rows and (single := _single_object(path, max_file_bytes)) is not None:  # one pretty-printed object
                     return [single], [f"{path}, line {number}"]
@@ -181,6 +209,8 @@ def _json_lines_bounded(path: Path, limit: int | None, max_row_bytes: int, max_f
                 ) from None
             if not isinstance(value, dict):
                 raise DataFileError(f"{path}, line {number}: expected a JSON object (one row of fields), found {describe(value)}")
+            if _ESCAPED_SURROGATE.search(raw):
+                check_text(value, f"{path}, line {number}")
             rows.append(value)
             where.append(f"{path}, line {number}")
             if limit is not None and len(rows) >= limit:
@@ -194,7 +224,7 @@ def _single_object(path: Path, max_file_bytes: int = MAX_FILE_BYTES) -> dict | N
         return None
     try:
         value = json.loads(path.read_bytes().decode("utf-8-sig"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
 
@@ -236,11 +266,14 @@ def _json_array(path: Path, limit: int | None) -> tuple[list[dict], list[str]]:
             value, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as err:
             raise fail(err.pos, err.msg) from None
+        except RecursionError:
+            raise _too_deep(f"{path}, element {len(rows)} (line {line + text.count(chr(10), counted, pos)})") from None
         line += text.count("\n", counted, pos)
         counted = pos
         if not isinstance(value, dict):
             raise DataFileError(f"{path}, element {len(rows)} (line {line}): expected a JSON object (one row of fields), "
                                 f"found {describe(value)}")
+        check_text(value, f"{path}, element {len(rows)} (line {line})")
         rows.append(value)
         where.append(f"{path}, element {len(rows) - 1} (line {line})")
         if limit is not None and len(rows) >= limit:
