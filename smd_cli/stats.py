@@ -18,14 +18,43 @@ A bound on a number measured once without noise (a memory ratio) compares the nu
 
 Seeds until decided (`Sequential`): a comparison is looked at when n_1, n_2, ..., n_K seeds are in (the last,
 the cap), and stops at the first look whose T crosses that look's critical value. The one-sided error alpha is
-split over the looks in advance, alpha_k the increments of the Lan-DeMets O'Brien-Fleming-type spending
-function alpha(tau) = 2 - 2 Phi(z_{1 - alpha / 2} / sqrt(tau)), tau = n_k / n_K (little at the first looks,
-most at the cap), and look k uses the t quantile at 1 - alpha_k. By the union bound (Bonferroni over the looks)
-the chance that any look says "holds" when the true difference is 0 is at most sum(alpha_k) = alpha, whatever
-the dependence between looks and whenever the comparison stops: the rule stays valid under optional stopping.
+split over the looks in advance in proportion to the seeds each look adds, alpha_k = alpha (n_k - n_{k-1}) / n_K
+(n_0 = 0: every seed carries an equal share; the power family alpha tau^rho of Kim and DeMets with rho = 1), and
+look k uses the t quantile at 1 - alpha_k. By the union bound (Bonferroni over the looks) the chance that any look
+says "holds" when the true difference is 0 is at most sum(alpha_k) = alpha, whatever the dependence between looks and
+whenever the comparison stops: the rule stays valid under optional stopping. Why this split: with looks at 3, 5
+and 8 seeds, the first look has 2 degrees of freedom, where the t quantile grows fast as alpha_k shrinks. The
+O'Brien-Fleming-type spending used before (`obrien_fleming`) gave it alpha_1 = 0.00025, c = 44.5: with the floor of
+one prompt in 32 below, no mean difference under 0.80 could cross it, so the first look could only ever say
+"ceiling" or "pending". The equal share gives it 3/8 of alpha, c = 7.20: a true difference of 4.8 per-seed
+standard deviations is decided at 3 seeds with 80 % probability (it needed 26 before). The price is paid at the
+cap: c = 3.04 at 8 seeds instead of 2.50, so the smallest difference the cap detects with 80 % probability is
+1.39 per-seed standard deviations instead of 1.20. (Pocock-type spending, alpha ln(1 + (e - 1) tau), would give
+c = 6.22 first and 3.28 at the cap: little more early for more lost at the cap.)
 A comparison still inconclusive at the cap reports the smallest true difference its last look would have
 detected with probability `power` (`Decision.detectable`), and the seeds a fixed-sample test at the last look's
 own alpha_K would need (`Decision.seeds_needed`): the alpha a look at the cap actually spends, not the total.
+
+Held-out prompts, the second random factor. A seed's paired difference d_s is a mean over the N held-out prompts its
+runs evaluated. Two arms equal over the task still differ prompt by prompt (an arm x prompt interaction: training
+makes one policy better on some keys or depths, the other on others), so d_s = delta + (the mean interaction of its
+N prompts) + the seed's own noise. Where every seed evaluates the same N prompts (`eval.prompts=fixed`, what every
+run did before that key), the interaction term is the same in every d_s: no number of seeds averages it out and the
+seeds' spread does not show it, so the test is about those N prompts and says "holds" about the task too often.
+Simulated (`tests/test_stats.py`'s `interaction`, 10,000 trials: per-prompt logits with an arm x prompt spread of
+0.5 / 1 / 2, N = 32, looks at 3 / 5 / 8 seeds, true difference 0 over the task): the old rule (fixed prompts,
+O'Brien-Fleming spending) said "holds" for 3.4 % / 5.9 % / 13.6 % of such comparisons, against the 2.5 % promised
+(12.5 % near the ceiling, 21.8 % with digit credit, 10.4 % with heavy-tailed interactions, at spread 2). Where each seed draws its own
+prompts (`eval.prompts=per_seed`, the default, `smd_cli.heldout`), the interaction enters each d_s as independent
+noise of variance sigma^2 / N, which the seeds' spread includes: each seed is an independent draw of (warm start,
+sampling, prompts), the test above is unchanged, and its error rate holds over the task's prompt population (1.7 %,
+1.8 %, 1.7 % with this rule; 1.1 %, 1.5 %, 1.8 % near the ceiling, with digit credit, with heavy tails). This
+design is also the more precise one: the interaction is averaged over n N prompts, not N. The alternative, prompts
+as a crossed random factor (every run's per-prompt scores kept, a two-way decomposition of the variance with
+Satterthwaite degrees of freedom), keeps the interaction's sigma^2 / N in the standard error at any seed count and
+has an uncertain, small number of degrees of freedom at 3 seeds; it would be needed only to judge runs that
+evaluated fixed prompts, whose per-prompt scores were not kept. A verdict over runs with fixed prompts is therefore
+reported as about those prompts (`smd_cli.report.claims`), never about the task.
 
 Bounded, discrete metrics (`Measure`). This project's held-out metrics are rewards in [0, 1] averaged over N
 prompts: binary (1/N steps), digit credit (passkey: 1/(5N) steps), near or at their ceiling. The t test assumes
@@ -278,7 +307,7 @@ def at_least(x: Cell, bound: float, alpha: float = ALPHA) -> str:
 @dataclass(frozen=True)
 class Sequential:
     """Seeds until decided: looks at `looks` seeds (increasing; the last is the cap), one-sided error `alpha` per
-    direction over all looks, split by O'Brien-Fleming-type spending (module docstring). `power`: for the
+    direction over all looks, split in proportion to the seeds each look adds (module docstring). `power`: for the
     detectable difference of a comparison that reaches the cap undecided."""
 
     looks: tuple[int, ...] = (3,)
@@ -298,7 +327,7 @@ class Sequential:
         return self.looks[-1]
 
     def spend(self) -> list[float]:
-        """alpha_k of each look: increments of alpha(tau) = 2 - 2 Phi(z_{1-alpha/2} / sqrt(tau)), summing to alpha."""
+        """alpha_k of each look: alpha (n_k - n_{k-1}) / n_K (n_0 = 0), an equal share per seed, summing to alpha."""
         return list(_spend(self.looks, self.alpha))
 
     def split(self, parts: int) -> "Sequential":
@@ -312,6 +341,12 @@ class Sequential:
 
 @lru_cache(maxsize=64)
 def _spend(looks: tuple[int, ...], alpha: float) -> tuple[float, ...]:
+    return tuple(alpha * (n - before) / looks[-1] for before, n in zip((0, *looks), looks))
+
+
+def obrien_fleming(looks: tuple[int, ...], alpha: float = ALPHA) -> tuple[float, ...]:
+    """The spending this module used before (module docstring): increments of 2 - 2 Phi(z_{1-alpha/2} / sqrt(tau)),
+    tau = n_k / n_K; kept only to show (tests, the report's rule) why it was replaced."""
     z = normal_quantile(1 - alpha / 2)
     spent = [2 - 2 * normal_cdf(z / math.sqrt(n / looks[-1])) for n in looks]
     return tuple(b - a for a, b in zip([0.0, *spent], spent))

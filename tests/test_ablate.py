@@ -205,6 +205,53 @@ def test_shared_members_run_once_and_a_stopped_sweep_resumes(fake_train):
     assert float(means["0.3"]["eval/reward_after"]) == pytest.approx(0.35)  # (0.3 + 0.4) / 2, the shared runs' values
 
 
+def test_a_run_recorded_with_the_fixed_prompts_stands_for_its_member(fake_train, capfd):
+    """Every run recorded before `eval.prompts` evaluated the same fixed held-out prompts for every seed: such a run (here
+    one made with eval.prompts=fixed, which keeps that identity) stands for its member of a sweep with the default
+    per-seed prompts, said as it is reused, so a finished reproduction is not run again; ablate.reuse_fixed_prompts=false
+    runs the member again on its seed's own prompts, in a directory of its own."""
+    runs = f"ablate.runs_dir={fake_train / 'members'}"
+    assert ablate(fake_train, "lambda=0.1", "seed=0,1", "eval.prompts=fixed", runs) == 0
+    first = calls(fake_train)
+    assert len(first) == 2
+    capfd.readouterr()
+    assert ablate(fake_train, "lambda=0.1", "seed=0,1", runs) == 0  # eval.prompts=per_seed, the default
+    assert calls(fake_train) == first  # nothing ran: the fixed-prompts runs stand for the members
+    assert "2 runs finished with eval.prompts=fixed" in " ".join(capfd.readouterr().out.split())
+    rows = list(csv.DictReader((fake_train / "ablate" / "ablation.csv").open()))
+    assert sorted(Path(r["dir"]).name for r in rows) == sorted(first) and {r["status"] for r in rows} == {"ok"}
+    assert ablate(fake_train, "lambda=0.1", "seed=0,1", runs, "ablate.reuse_fixed_prompts=false") == 0
+    again = calls(fake_train)[2:]
+    assert len(again) == 2 and not set(again) & set(first)
+    assert sorted(n.rsplit("_", 1)[0] for n in again) == sorted(n.rsplit("_", 1)[0] for n in first)  # the same runs, new identities
+
+
+def test_eval_prompts_fixed_keeps_the_identity_of_the_runs_recorded_before_it():
+    """A member's identity is the SHA-256 of its composed config less NOT_IDENTITY (here recomputed by hand): with
+    eval.prompts=fixed the key is left out, so it is the identity every run recorded before the key has; per_seed is a
+    different run, whose twin (`Member.twin`) is the fixed one. The small reproduction's records (results/reproduce_small/
+    members) are every one the twin of a member of today's main table."""
+    import hashlib
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        fixed, per_seed = (compose("train", overrides=["algo=smd", f"eval.prompts={d}"]) for d in ("fixed", "per_seed"))
+    def by_hand(cfg, drop_prompts):
+        config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items()
+                  if k not in sweep.NOT_IDENTITY}
+        if drop_prompts:
+            del config["eval"]["prompts"]
+        return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+    assert sweep.config_identity(fixed) == by_hand(fixed, True) == sweep.config_identity(per_seed, prompts="fixed")
+    assert sweep.config_identity(per_seed) == by_hand(per_seed, False) != sweep.config_identity(fixed)
+    recorded = {p.name for p in (CONF.parent / "results" / "reproduce_small" / "members").iterdir() if p.is_dir()}
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("ablate", overrides=["+recipe=small_main_table"])
+        members = sweep.plan(cfg, ["+recipe=small_main_table"])[1]
+    assert len(members) == 24 and all(m.twin[1] in recorded and m.name not in recorded for m in members)
+    assert [m.name for m in sweep.stand_ins(members, CONF.parent / "results" / "reproduce_small" / "members")[0]] == \
+        [m.twin[1] for m in members]
+
+
 def test_config_mistakes_stop_the_sweep_before_any_run(tmp_path, monkeypatch):
     monkeypatch.setattr(sweep, "member_command", lambda *a: pytest.fail("no run may start"))
 

@@ -7,10 +7,14 @@ worth, not decided by its sign."""
 import csv
 import json
 import math
+from pathlib import Path
 
-from smd_cli.report import claims
+import pytest
+
+from smd_cli.report import claims, machinery
+from smd_cli.report.data import Sweep
 from smd_cli.report.write import write_report
-from smd_cli.stats import CEILING, HOLDS, INCONCLUSIVE, Sequential, t_quantile
+from smd_cli.stats import CEILING, FAILS, HOLDS, INCONCLUSIVE, Sequential, t_quantile
 from tests.test_reproduce import FAKE_CONFIG, fake_sweep
 
 # per seed: held-out reward under eviction (multiples of 1/16: 16 passkey prompts); with a dense cache every run answers all
@@ -69,3 +73,86 @@ def test_the_coarsest_run_sets_the_resolution(tmp_path):
     (sweep.select(algo="dense", seed="1")[0].dir / "config.json").write_text(json.dumps({"eval": {"num_prompts": 16}}))
     assert claims.measure(sweep, {"algo": "smd"}).resolution == 1 / 64
     assert claims.measure(sweep, {"algo": "smd"}, {"algo": "dense"}).resolution == 1 / 16
+
+
+def failed_sweep(tmp_path, failures: dict[tuple[str, str], dict], prompts: str | None = "per_seed"):
+    """`small_sweep` where the runs of `failures` ((algo, seed) -> their summary.json) failed as `smd ablate` records it
+    ("failed (exit 1)", its error, the training's own summary beside it); `prompts`: eval.prompts in every config.json
+    (None: a config from before the key)."""
+    sweep = small_sweep(tmp_path)
+    rows = json.loads((sweep.dir / "summary.json").read_text())
+    for row in rows["runs"]:
+        key = (row["algo"], row["seed"])
+        if key in failures:
+            row.update(status="failed (exit 1)", error=failures[key].get("status_reason"))
+            (Path(row["dir"]) / "summary.json").write_text(json.dumps(failures[key]))
+        config = json.loads((Path(row["dir"]) / "config.json").read_text())
+        config["eval"].pop("prompts", None)
+        if prompts is not None:
+            config["eval"]["prompts"] = prompts
+        (Path(row["dir"]) / "config.json").write_text(json.dumps(config))
+    (sweep.dir / "summary.json").write_text(json.dumps(rows))
+    return Sweep.read(sweep.name, sweep.dir)
+
+
+def test_a_failed_seed_counts_as_the_worst_reward_in_every_comparison(tmp_path):
+    """Sparse-RL diverged on seed 1: its seed is not dropped (survivorship: the comparison would keep only the seeds where
+    Sparse-RL did not blow up), it counts as the reward's worst, 0, and the evidence names it; the table counts it."""
+    diverged = {"status": "diverged", "status_reason": "loss is nan at step 7", "eval/evict/reward_after": 0.9}  # not a result
+    sweep = failed_sweep(tmp_path, {("sparse_rl", "1"): diverged})
+    found = {(f.claim, f.view): f for f in claims.main_table(sweep, Sequential((3,)))}
+    beats = found[("SMD beats Sparse-RL", "under eviction")]
+    # per seed, smd - sparse_rl: 0.75 - 0.6875, 0.8125 - 0 (failed), 0.6875 - 0.625
+    assert beats.decision.d.n == 3 and beats.decision.d.mean == pytest.approx((0.0625 + 0.8125 + 0.0625) / 3)
+    assert "failed runs, counted as 0 (the reward's worst): sparse_rl seed 1 (diverged: loss is nan at step 7)" in beats.evidence
+    assert "sparse_rl 0.438 ± 0.219" in beats.evidence  # its cell with the failed seed at 0: (0.6875 + 0 + 0.625) / 3
+    recovers = found[("Sparse-RL recovers the dense learner's result", "dense cache")]  # dense cache: 1.0 everywhere else
+    assert recovers.decision.d.n == 3 and recovers.verdict != CEILING  # the failed run is not at the ceiling
+    report = write_report(tmp_path / "report", {"main": sweep}, {}, {"scale": "small"}).read_text()
+    assert "| sparse_rl | 2 | 0 | 1 |" in report  # n with results, collapsed, failed
+    seeds = list(csv.DictReader((tmp_path / "report" / "seeds_main.csv").open()))
+    assert [r["sparse_rl"] for r in seeds] == ["0.688", "failed", "0.625"]  # the per-seed table
+    rows = {(r["algo"], r["seed"]): r for r in csv.DictReader((tmp_path / "report" / "runs.csv").open())}
+    assert rows[("sparse_rl", "1")]["status"] == "failed (exit 1)"
+
+
+def test_the_parity_claim_covers_every_smd_run_and_names_a_broken_one(tmp_path):
+    """One of three SMD runs ended parity_broken (its guard found the learner off the sampler), the others held with
+    check-parity's float64 replay clean: the claim over all SMD runs does not hold and names the broken run (before,
+    only runs with status ok or collapsed were read, and the check alone gave "holds"); an SMD run that diverged
+    leaves it inconclusive."""
+    broken = {"status": "parity_broken", "status_reason": "learner 0.105 off the sampler at step 2 (float64: 0.105)"}
+    sweep = failed_sweep(tmp_path, {("smd", "2"): broken})
+    for run in sweep.select(algo="smd"):
+        if run.ok:
+            run.summary["train/mismatch/max_abs_diff_max"] = 3e-6
+    check = {"bound": 1e-5, "policies": {"snapkv": {"views": {"shadow": {"max_abs_diff": 0.0}, "shadow_float64":
+                                                              {"max_abs_diff": 1.2e-5, "rounding": 1.2e-5}}, "failed": []}}}
+    [claim] = machinery.parity([sweep], check)
+    assert claim.verdict == FAILS and claim.scope == "all 3 SMD runs, every eviction policy"
+    name = sweep.select(algo="smd", seed="2")[0].dir.name
+    assert f"parity broken in 1 of 3 SMD runs: {name} (parity_broken: learner 0.105 off the sampler at step 2" in claim.evidence
+    diverged = failed_sweep(tmp_path / "other", {("smd", "2"): {"status": "diverged", "status_reason": "loss is nan"}})
+    for run in diverged.select(algo="smd"):
+        if run.ok:
+            run.summary["train/mismatch/max_abs_diff_max"] = 3e-6
+    [claim] = machinery.parity([diverged], check)
+    assert claim.verdict == INCONCLUSIVE and "1 SMD runs failed before their parity was judged to the end" in claim.evidence
+
+
+def test_verdicts_on_fixed_prompts_say_they_are_about_those_prompts(tmp_path):
+    """Runs recorded before eval.prompts (their config names no draw) evaluated the same 16 prompts for every seed: each
+    verdict says it is about those prompts, not the task (evidence, claims.csv, the tally); with each seed on its own
+    prompts nothing is added."""
+    fixed = failed_sweep(tmp_path, {}, prompts=None)
+    beats = {(f.claim, f.view): f for f in claims.main_table(fixed, Sequential((3,)))}[("SMD beats naive compression", "under eviction")]
+    assert beats.prompts == claims.FIXED and beats.verdict == HOLDS
+    assert beats.evidence.startswith("about the 16 fixed held-out prompts that every seed evaluated, not the task: smd 0.750")
+    report = write_report(tmp_path / "report", {"main": fixed}, {}, {"scale": "small"}).read_text()
+    assert "All of them rest on runs that evaluated the same fixed held-out prompts for every seed" in report
+    assert "16 test prompts, the same for every run and seed" in report
+    rows = list(csv.DictReader((tmp_path / "report" / "claims.csv").open()))
+    assert {r["prompts"] for r in rows if r["view"]} == {claims.FIXED}
+    own = failed_sweep(tmp_path / "own", {})
+    beats = {(f.claim, f.view): f for f in claims.main_table(own, Sequential((3,)))}[("SMD beats naive compression", "under eviction")]
+    assert beats.prompts == claims.PER_SEED and beats.evidence.startswith("smd 0.750")

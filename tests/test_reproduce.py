@@ -52,7 +52,7 @@ def test_the_tables_recipes_share_their_common_runs():
 
 FAKE_CONFIG = {"steps": 2, "lambda": 0.1, "compression": 0.5, "optim": {"lr": 1e-5}, "model": {"name": "tiny"},
                "grpo": {"prompts_per_step": 2, "num_generations": 4, "epsilon": 0.2, "loss_agg": "token-mean"},
-               "eval": {"num_prompts": 128, "temperature": 1.0, "dense_eviction": "snapkv"}}
+               "eval": {"num_prompts": 128, "prompts": "per_seed", "temperature": 1.0, "dense_eviction": "snapkv"}}
 
 
 def fake_sweep(tmp_path: Path, name: str, keys: list[str], runs: list[tuple[dict, dict]], steps: list[dict] | None = None) -> Sweep:
@@ -101,7 +101,7 @@ def test_claims_are_judged_by_their_rules(tmp_path):
     report = write_report(tmp_path / "report", {"main": main_, "lambda": lam}, {"learner_memory": None, "step_overhead": []},
                           {"scale": "tiny", "commit": "abc"})
     text = report.read_text()
-    assert "| smd | 3 | 0.910 ± 0.0058 | 0.720 ± 0.012 |" in text and "**holds** (smd 0.720 ± 0.012 vs naive_sparse" in text
+    assert "| smd | 3 | 0 | 0 | 0.910 ± 0.0058 | 0.720 ± 0.012 |" in text and "**holds** (smd 0.720 ± 0.012 vs naive_sparse" in text
     assert {r["verdict"] for r in csv.DictReader((tmp_path / "report" / "claims_machinery.csv").open())} == {"**not measured**"}
 
 
@@ -211,21 +211,22 @@ def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
         reproduce.run_logged(reproduce.ablate_command(cfg, "tiny", recipe, root, root / "sweeps" / recipe))
     added, rounds = reproduce.add_seeds(cfg, "tiny", tables, root, rule)
     asked = calls[2:]
-    assert asked[0] == ("main_table", {"task": "vote", "algo": "dense,naive_sparse,tis,smd", "seed": "3,4"})  # look 1 decides nothing
-    assert asked[1] == ("ablate_lambda", {"lambda": "0,0.1,0.8", "seed": "3,4"})
-    # look 2 decides every claim on tis (far below the others) and on lambda; the ties of the dense cache go on to the cap
-    assert asked[2:] == [("main_table", {"task": "vote", "algo": "dense,naive_sparse,smd", "seed": "5,6,7"})]
-    assert added == 4 * 2 + 3 * 2 + 3 * 3
-    assert rounds.startswith("to 5 seeds: 14 table entries") and "to 8 seeds: 9 table entries" in rounds
+    # look 1 (c = 7.20) decides every claim on tis (far below the others) and on lambda, and the large differences under
+    # eviction; the near-lossless claim with a dense cache goes on to look 2, the ties of the dense cache to the cap
+    assert asked == [("main_table", {"task": "vote", "algo": "dense,naive_sparse,smd", "seed": "3,4"}),
+                     ("main_table", {"task": "vote", "algo": "dense,naive_sparse,smd", "seed": "5,6,7"})]
+    assert added == 3 * 2 + 3 * 3
+    assert rounds.startswith("to 5 seeds: 6 table entries") and "to 8 seeds: 9 table entries" in rounds
     sweeps = reproduce.read_tables(tables, root)
     found = {(f.claim, f.view): f for f in claims.policies(sweeps, rule)}
     beats = found[("SMD beats naive compression", "under eviction")]
-    assert (beats.verdict, beats.decision.seeds) == (HOLDS, 5)  # d = 0.3 at look 2; seeds 5-7 ran for other claims
+    assert (beats.verdict, beats.decision.seeds) == (HOLDS, 3)  # d = 0.3 at look 1 (was look 2: c = 44.5); seeds 3-7 ran for others
+    assert found[("SMD is near-lossless against dense at 50 % compression", "dense cache")].decision.seeds == 5
     tie = found[("SMD beats naive compression", "dense cache")]
     assert (tie.verdict, tie.decision.seeds, tie.pending) == (INCONCLUSIVE, 8, False)
     assert tie.decision.detectable > 0 and "smallest difference detectable at the cap" in tie.evidence and "+0.093" in tie.evidence
     assert found[("lambda = 0.1 is the best distillation weight", "under eviction")].verdict == HOLDS
-    assert reproduce.add_seeds(cfg, "tiny", tables, root, rule)[0] == 0 and len(calls) == 5  # nothing left to ask
+    assert reproduce.add_seeds(cfg, "tiny", tables, root, rule)[0] == 0 and len(calls) == 4  # nothing left to ask
 
 
 def test_every_correction_is_judged_against_smd_and_dense_and_collapsed_runs_are_flagged(tmp_path):
@@ -247,7 +248,7 @@ def test_every_correction_is_judged_against_smd_and_dense_and_collapsed_runs_are
     assert found[("MIS recovers the dense learner's result", "under eviction")].verdict == FAILS  # 0.29 below dense
     assert found[("TRM recovers the dense learner's result", "under eviction")].decision.d.n == 3  # its collapsed seed counts
     report = write_report(tmp_path / "report", {"main": main_}, {}, {"scale": "tiny"}).read_text()
-    assert "| trm | 3 (1 collapsed) |" in report and " †" in report
+    assert "| trm | 3 | 1 | 0 |" in report and " †" in report  # n, collapsed, failed
     assert "- main table, under eviction: recover: smd, icepop; do not: naive_sparse, mis, trm" in report
     assert "| mis | rollout_corr/masked_seq_frac | 0.250 ± 0.000 |" in report
     rows = {(r["algo"], r["seed"]): r for r in csv.DictReader((tmp_path / "report" / "runs.csv").open())}
@@ -338,3 +339,20 @@ def test_a_bad_sequential_rule_is_a_config_error(capsys):
         with pytest.raises(SystemExit) as done:
             main(["reproduce", bad, "dry_run=true"])
         assert done.value.code == 2 and why in " ".join(capsys.readouterr().err.split())
+
+
+def test_the_reports_records_are_kept_beside_it_in_the_runs_layout(tmp_path):
+    """What the report reads besides the runs (benchmark and parity JSON, the invocations' times) is copied to OUT/records/
+    in ROOT's layout, so that copying it back (with the members) makes `smd reproduce` skip every benchmark."""
+    from smd_cli.stages import reproduce
+
+    root, out = tmp_path / "root", tmp_path / "out"
+    files = {"bench/learner_memory_0.json": "{}", "bench/check_parity/parity.json": '{"policies": {}}', "timing.json": "[]",
+             "rounds.json": '["to 5 seeds"]', "members/x/summary.json": "{}"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    reproduce.keep_records(root, out)
+    kept = sorted(str(p.relative_to(out / "records")) for p in (out / "records").rglob("*") if p.is_file())
+    assert kept == ["bench/check_parity/parity.json", "bench/learner_memory_0.json", "timing.json"]  # rounds: recomputed from the runs
+    assert (out / "records" / "bench" / "check_parity" / "parity.json").read_text() == '{"policies": {}}'

@@ -6,9 +6,14 @@ import statistics
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+
+from smd_cli.cli import CONF_DIR
+from smd_cli.stages.factories import build_task
+from smd_cli.stages.prompts import held_out_examples
 
 from smd_cli.stats import (CEILING, EXACT, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Z, Cell, Measure, Sequential, aggregate, at_least, at_most, cell,
-                           critical, difference, greater, normal_quantile, not_worse, sequential, t_cdf, t_quantile)
+                           critical, difference, greater, normal_quantile, not_worse, obrien_fleming, sequential, t_cdf, t_quantile)
 
 
 def test_cell_is_the_mean_and_sample_standard_error():
@@ -64,11 +69,17 @@ def test_t_quantiles_against_the_printed_table():
 
 
 def test_spending_splits_alpha_over_the_looks():
+    """alpha_k = alpha (n_k - n_{k-1}) / n_K: every seed an equal share, 3/8, 2/8 and 3/8 of 0.025 at 3, 5, 8 seeds, so the
+    first look's critical value is 7.20 (2 df), where the O'Brien-Fleming-type spending used before gave 44.5."""
     rule = Sequential((3, 5, 8))
-    spend = rule.spend()
-    assert sum(spend) == pytest.approx(0.025) and spend[0] < spend[1] < spend[2]  # little early, most at the cap
+    assert rule.spend() == [pytest.approx(0.025 * 3 / 8), pytest.approx(0.025 * 2 / 8), pytest.approx(0.025 * 3 / 8)]
+    # the t quantile with 2 df in closed form: t = (2p - 1) / sqrt(2 p (1 - p)), p = 1 - alpha_1
+    p = 1 - 0.025 * 3 / 8
+    assert critical(3, rule.spend()[0]) == pytest.approx((2 * p - 1) / math.sqrt(2 * p * (1 - p))) == pytest.approx(7.20, abs=0.01)
+    old = obrien_fleming((3, 5, 8))
     z = normal_quantile(1 - 0.025 / 2)  # alpha(tau) = 2 - 2 Phi(z / sqrt(tau)), worked out for tau = 3/8 by hand
-    assert spend[0] == pytest.approx(2 - 2 * 0.5 * (1 + math.erf(z / math.sqrt(3 / 8) / math.sqrt(2))))
+    assert old[0] == pytest.approx(2 - 2 * 0.5 * (1 + math.erf(z / math.sqrt(3 / 8) / math.sqrt(2))))
+    assert sum(old) == pytest.approx(0.025) and critical(3, old[0]) == pytest.approx(44.5, abs=0.05)
     assert Sequential((3,)).spend() == [pytest.approx(0.025)]
     assert rule.next_look(3) == 5 and rule.next_look(0) == 3 and rule.next_look(8) is None
     with pytest.raises(ValueError):
@@ -186,18 +197,81 @@ def test_digit_credit_keeps_the_error_rate(q, together):
     assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
 
 
+def held_out_ids(draw: str, seeds: int = 8, n: int = 32) -> list[list[str]]:
+    """The ids of the held-out prompts each seed's runs evaluate, as `smd train` draws them (`prompts.held_out_examples`
+    on its composed config and task), for `eval.prompts=draw`: passkey, N = 32, seeds 0 .. seeds - 1."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["task=passkey", f"eval.num_prompts={n}", f"eval.prompts={draw}"])
+    task = build_task(cfg)  # train.py: held_out_examples(task, cfg.eval.num_prompts, cfg.seed, cfg.eval.prompts), seed by seed
+    return [[e["id"] for e in held_out_examples(task, cfg.eval.num_prompts, s, cfg.eval.prompts)] for s in range(seeds)]
+
+
+def interaction(ids: list[list[str]], spread: float, trials: int = 10_000, seed: int = 0, base: float = 0.5, tails: bool = False,
+                credit: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two arms equal over the task, each better on some prompts: per-seed held-out rewards [trials, seeds] of arms a and
+    b, each seed's mean over its prompts `ids[s]`. Prompt p of the task's population has a difficulty logit base + N(0, 1)
+    and, per arm, an interaction logit spread * N(0, 1) (`tails`: Student t with 3 df scaled to sd 1); seed s adds a
+    warm-start logit N(0, 0.5^2) shared by both arms and a training logit N(0, 0.3^2) per arm. A prompt's reward is
+    right or wrong with probability sigmoid(logit) (`credit`: passkey's 5 digits, each right with that probability).
+    A prompt id that several seeds evaluate has the same logits in each: fixed prompts share their interaction."""
+    g = torch.Generator().manual_seed(seed)
+    names = sorted({i for row in ids for i in row})
+    where = torch.tensor([[names.index(i) for i in row] for row in ids])  # [seeds, N] columns of the population drawn
+    seeds = len(ids)
+    u = torch.randn(trials, len(names), 2, generator=g)
+    if tails:
+        u = u / (torch.randn(trials, len(names), 2, 3, generator=g) ** 2).mean(-1).sqrt() / math.sqrt(3)
+    prompt = base + torch.randn(trials, len(names), 1, generator=g) + spread * u
+    logit = prompt[:, where] + 0.5 * torch.randn(trials, seeds, 1, 1, generator=g) + 0.3 * torch.randn(trials, seeds, 1, 2, generator=g)
+    p = torch.sigmoid(logit)  # [trials, seeds, N, arm]
+    reward = torch.binomial(torch.full_like(p, 5.0), p, generator=g) / 5 if credit else torch.bernoulli(p, generator=g)
+    means = reward.mean(2).double()
+    return means[..., 0], means[..., 1]
+
+
+@pytest.fixture(scope="module")
+def draws():
+    return {draw: held_out_ids(draw) for draw in ("per_seed", "fixed")}
+
+
+@pytest.mark.parametrize("spread", [0.5, 1.0, 2.0])
+def test_an_arm_by_prompt_interaction_keeps_the_error_rate_over_the_task(draws, spread):
+    """The issue's case: arms equal over the task's prompts, each better on some (a per-prompt logit spread of 0.5 / 1 /
+    2), N = 32 passkey prompts, looks at 3 / 5 / 8 seeds. With each seed on its own prompts (`eval.prompts=per_seed`, as
+    `smd train` draws them), "holds" and "does not hold" come out at most alpha = 0.025 each. With the same 32 prompts
+    for every seed (`fixed`, the only draw before), the shared interaction says "holds" more often than promised (the
+    old rule, with its O'Brien-Fleming spending: 3.4 % / 5.9 % / 13.6 %; this rule: 1.7 % / 1.8 % / 1.7 %)."""
+    assert all(len(set(a) & set(b)) == 0 for i, a in enumerate(draws["per_seed"]) for b in draws["per_seed"][:i])  # fresh prompts
+    assert all(row == draws["fixed"][0] for row in draws["fixed"])
+    rates = simulate(RULE, *interaction(draws["per_seed"], spread), measure=Measure.rewards(32))
+    assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
+    if spread >= 1:  # what the per-seed draw prevents, with the same looks
+        assert simulate(RULE, *interaction(draws["fixed"], spread, seed=1), measure=Measure.rewards(32))[HOLDS] > 0.03
+
+
+@pytest.mark.parametrize("case", ["ceiling", "digit credit", "heavy tails"])
+def test_the_interaction_near_the_ceiling_with_digit_credit_and_heavy_tails(draws, case):
+    """The same at the largest spread (2): prompts mostly answered (difficulty logit 3: most prompts at the ceiling, the
+    rest skewed), passkey's digit credit (5 digits a prompt, the floor of one prompt's worth, not a digit's), and a
+    heavy-tailed interaction (t, 3 df): at most alpha each way with each seed on its own prompts (1.1 %, 1.5 %, 1.8 %;
+    the old rule: 12.5 %, 21.8 %, 10.4 %)."""
+    options = {"ceiling": {"base": 3.0}, "digit credit": {"credit": True}, "heavy tails": {"tails": True}}[case]
+    rates = simulate(RULE, *interaction(draws["per_seed"], 2.0, seed=2, **options), measure=Measure.rewards(32))
+    assert rates[HOLDS] <= 0.025 and rates[FAILS] <= 0.025
+
+
 @pytest.mark.parametrize("prompts", [16, 64])
 def test_an_arm_at_the_bound_keeps_the_parity_error_rate(prompts):
     """"a matches b within 0.05" at the margin's edge with b at the ceiling on every seed (a dense cache that answers
     everything) and a's reward right with probability 0.95: a is skewed (a run of seeds without a miss has a high mean
-    and no spread). Without the floor sqrt(r * margin) it says "holds" 4 % of the time at 64 prompts; with it, at most
-    alpha. Digit credit the same."""
+    and no spread). Without the floor sqrt(r * margin) it says "holds" 2.6 % of the time at 64 prompts (4 % with the
+    O'Brien-Fleming-type spending used before); with it, at most alpha. Digit credit the same."""
     m = Measure.rewards(prompts)
     for arm in (binary(0.95, prompts), digits(0.95, prompts)):
         assert simulate(RULE, draw(arm, seed=30), 1.0, margin=0.05, measure=m)[HOLDS] <= 0.025
     no_floor = Measure(0.0, 1.0, None)  # what the floor prevents (se 0 already undecided): the skew alone
     if prompts == 64:
-        assert simulate(RULE, draw(binary(0.95, 64), seed=30), 1.0, margin=0.05, measure=no_floor)[HOLDS] > 0.03
+        assert simulate(RULE, draw(binary(0.95, 64), seed=30), 1.0, margin=0.05, measure=no_floor)[HOLDS] > 0.025
 
 
 def test_a_cell_at_the_ceiling_is_uninformative_and_se_zero_never_decides():
@@ -231,7 +305,7 @@ def test_the_floor_by_hand():
 
 def test_seeds_needed_and_detectable_at_the_last_looks_alpha():
     """Undecided at the cap: the detectable difference is (c_K + t_0.8) se and the seeds a decision needs are counted at
-    the last look's alpha_K (0.020 of the 0.025), both with the floored standard error; worked out by hand."""
+    the last look's alpha_K (3/8 of the 0.025), both with the floored standard error; worked out by hand."""
     spend = RULE.spend()
     diffs = [1 / 16, 0.0, 1 / 16, 0.0, 1 / 16, 1 / 16, 0.0, 1 / 16]  # mean 5/128, sd 0.0334 < the floor 1/16
     d = sequential(diffs, RULE, measure=Measure.rewards(16))
@@ -240,12 +314,13 @@ def test_seeds_needed_and_detectable_at_the_last_looks_alpha():
     assert d.se == pytest.approx(se) and d.detectable == pytest.approx((t_quantile(1 - spend[2], 7) + t_quantile(0.8, 7)) * se)
     def needed(alpha):
         return next(n for n in range(2, 64) if (t_quantile(1 - alpha, n - 1) + t_quantile(0.8, n - 1)) / 16 / math.sqrt(n) <= 5 / 128)
-    assert d.seeds_needed == needed(spend[2]) == 24 and needed(0.025) == 23  # at the whole alpha it would promise one seed fewer
+    assert d.seeds_needed == needed(spend[2]) == 29 and needed(0.025) == 23  # at the whole alpha it would promise 6 seeds fewer
 
 
 def test_sequential_rule_finds_a_known_difference():
     """With a true difference at the detectable size the design promises (power 0.8 at the cap), it says "holds"
-    80 % of the time and "does not hold" never; a large difference stops at the second look."""
+    80 % of the time and "does not hold" never; a large difference stops at the second look, and one of 6 per-seed
+    standard deviations at the first (where the O'Brien-Fleming-type spending's c = 44.5 never let anything through)."""
     rule = Sequential((3, 5, 8))
     sd = 0.1
     promised = (critical(8, rule.spend()[-1]) + t_quantile(0.8, 7)) * sd / math.sqrt(8)  # detectable at the cap
@@ -254,15 +329,18 @@ def test_sequential_rule_finds_a_known_difference():
     rng = random.Random(4)
     early = [sequential([0.4 + rng.gauss(0, sd) for _ in range(8)], rule) for _ in range(500)]
     assert sum(d.verdict == HOLDS and d.seeds <= 5 for d in early) / 500 > 0.95
+    first = simulate(Sequential((3,), alpha=rule.spend()[0]), draw(normal(sd), 0.6, seed=6, trials=20_000, cap=3))  # look 1's own test
+    assert first[HOLDS] > 0.8 and first[FAILS] == 0.0  # c = 7.20 against t = 0.6 / (0.1 / sqrt 3) = 10.4 on average
 
 
 def test_sequential_decisions_by_hand():
     rule = Sequential((3, 5, 8))
     spend = rule.spend()
-    d = sequential([0.1, 0.2, 0.15], rule)  # look 1: t = 0.15 / 0.0289 = 5.2 < c = 44.5: pending
+    d = sequential([0.1, 0.2, 0.15], rule)  # look 1: t = 0.15 / 0.0289 = 5.2 < c = 7.20: pending
     assert (d.verdict, d.seeds, d.pending) == (INCONCLUSIVE, 3, True)
     assert d.critical == pytest.approx(t_quantile(1 - spend[0], 2))
-    d = sequential([0.1, 0.2, 0.15, 0.12, 0.18], rule)  # look 2: t = 0.15 / 0.0184 = 8.1 > c = 4.8
+    d = sequential([0.1, 0.2, 0.15, 0.12, 0.18], rule)  # look 2: t = 0.15 / 0.0184 = 8.1 > c = 4.31
+    assert sequential([0.3, 0.35, 0.32], rule).verdict == HOLDS  # look 1: t = 0.323 / 0.0145 = 22 > 7.20 (was pending: 44.5)
     assert (d.verdict, d.seeds, d.pending) == (HOLDS, 5, False) and d.d.mean == pytest.approx(0.15)
     d = sequential([0.1, 0.2, 0.15, 0.12, 0.18, 0.2, 0.1], rule)  # 7 seeds: still look 2's verdict
     assert (d.verdict, d.seeds) == (HOLDS, 5)

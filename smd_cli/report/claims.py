@@ -7,7 +7,12 @@ and judged by `smd_cli.stats.sequential`, the t test on the paired differences l
 cap). The verdict knows the metric (`measure`): a held-out reward in [0, 1] averaged over the runs' held-out
 prompts (`eval.num_prompts` of each run's config.json), so its standard error is never below what one prompt's
 worth allows, and a comparison whose runs all sit at the reward's ceiling (or floor) says "uninformative
-(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). A claim is judged twice, once per way of
+(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). Every seed that ran is in the comparison: a
+failed run (diverged, parity broken, stopped by an error) counts as the reward's worst value, 0, so that an algorithm
+is never flattered by the seeds it lost, and the evidence names it. A verdict is about the task's prompts when every
+run it rests on evaluated its seed's own held-out prompts (`eval.prompts=per_seed`, `smd_cli.heldout`); where any
+evaluated the fixed prompts every seed shares (every run recorded before that key), the verdict is about those N
+prompts, and the evidence and `Finding.prompts` say so. A claim is judged twice, once per way of
 evaluating the policies on the held-out split: with a dense KV cache, and under the run's eviction (a dense-trained
 policy under SnapKV at the same compression), since the paper's tables do not say which one they use and SMD
 optimises the second.
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from smd_cli.heldout import draw_of
 from smd_cli.report.data import Sweep
 from smd_cli.stats import CEILING, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Cell, Decision, Measure, Sequential, number, sequential
 
@@ -39,10 +45,12 @@ NOT_MEASURED = "not measured"
 
 UNINFORMATIVE = (CEILING, FLOOR)
 GREATER = ("a > b: holds if t = d / se > c, does not hold if t < -c (d: mean of the per-seed a - b; c: the look's critical value; "
-           "se at least one held-out prompt's worth; every run at the reward's bound: uninformative)")
+           "se at least one held-out prompt's worth; every run at the reward's bound: uninformative; a failed run counts as 0)")
 NOT_WORSE = (f"a matches b: holds if t = (d + {MARGIN}) / se >= c, does not hold if t < -c (a worse than b by more than {MARGIN}; "
              f"c: the look's critical value; se at least sqrt({MARGIN} / N) / sqrt(n) over N held-out prompts; every run at the "
-             "reward's bound: uninformative)")
+             "reward's bound: uninformative; a failed run counts as 0)")
+PER_SEED, FIXED = "per seed", "fixed"  # Finding.prompts: each seed its own held-out prompts (about the task), or the same for all
+NOT_THE_TASK = "not the task: "  # ends the words that say a verdict is about fixed prompts (`about`)
 
 
 @dataclass
@@ -59,6 +67,7 @@ class Finding:
     paper_diff: float | None = None  # the paper's own difference a - b (accuracy / 100), where it has one
     group: str = "paper"  # "paper": the paper's claims; "corrections": each rollout correction against SMD and dense
     pair: tuple[str, str] = ("", "")  # (a, b) of a main-table comparison
+    prompts: str = ""  # PER_SEED: about the task's prompts; FIXED: about the fixed held-out prompts its runs shared; "": no runs
 
     @property
     def pending(self) -> bool:
@@ -66,13 +75,49 @@ class Finding:
 
 
 @lru_cache(maxsize=None)
+def _config(run_dir: str) -> dict:
+    """A run's resolved config (its config.json), {} when it cannot be read."""
+    try:
+        config = json.loads((Path(run_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
 def _prompts(run_dir: str) -> int | None:
     """The held-out prompts a run evaluated (`eval.num_prompts` of its config.json), None when it does not say."""
-    try:
-        n = json.loads((Path(run_dir) / "config.json").read_text())["eval"]["num_prompts"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    held = _config(run_dir).get("eval")
+    n = held.get("num_prompts") if isinstance(held, dict) else None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def draw(run_dir) -> str:
+    """The held-out draw a run's config.json records (`smd_cli.heldout`: per_seed, or fixed for a run from before the key)."""
+    return draw_of(_config(str(run_dir)))
+
+
+def drawn(sweep: Sweep, seeds: list[str], *cells: dict) -> str:
+    """PER_SEED when every run of these cells at these seeds evaluated its seed's own held-out prompts (its config.json's
+    eval.prompts), FIXED when any evaluated the fixed ones (or does not say), "" without runs."""
+    runs = [r for sel in cells for r in sweep.select(**sel) if r.attempted and r.values.get("seed", "") in seeds]
+    if not runs:
+        return ""
+    return PER_SEED if all(draw(r.dir) == "per_seed" for r in runs) else FIXED
+
+
+def about(prompts: str, m: Measure) -> str:
+    """The words that say what a verdict is about, when it is not the task."""
+    if prompts != FIXED:
+        return ""
+    n = f"{round(1 / m.resolution)} " if m.resolution else ""
+    return f"about the {n}fixed held-out prompts that every seed evaluated, {NOT_THE_TASK}"
+
+
+def failures(sweep: Sweep, seeds: list[str], cells: list[tuple[str, dict]]) -> str:
+    """The failed runs of these cells at these seeds, named with how they ended (counted as the reward's worst)."""
+    named = [f"{name} seed {r.values.get('seed', '?')} ({r.ended})" for name, sel in cells for r in sweep.failures(**sel)
+             if r.values.get("seed", "") in seeds]
+    return f"; failed runs, counted as 0 (the reward's worst): {'; '.join(named)}" if named else ""
 
 
 def measure(sweep: Sweep, *cells: dict) -> Measure:
@@ -124,15 +169,18 @@ def compare(claim, paper, sweep: Sweep, role: str, scope: str, a: dict, b: dict,
     (with `margin`: the parity test)."""
     out = []
     m = measure(sweep, a, b)
+    worst = m.low  # a failed run counts as the reward's worst value
     for view, metric in VIEWS.items():
-        seeds, diffs = sweep.paired(metric, a, b)
-        va, vb = sweep.by_seed(metric, **a), sweep.by_seed(metric, **b)
+        seeds, diffs = sweep.paired(metric, a, b, worst)
+        va, vb = sweep.by_seed(metric, worst, **a), sweep.by_seed(metric, worst, **b)
         dec = sequential(diffs, rule, margin, m, ([va.get(s) for s in seeds], [vb.get(s) for s in seeds]))
         used = seeds[: dec.seeds]
-        evidence = (f"{names[0]} {sweep.cell(metric, used, **a)} vs {names[1]} {sweep.cell(metric, used, **b)}; "
-                    + _difference(dec, margin, m) + outcome(dec, rule, margin, paper_diff))
+        prompts = drawn(sweep, used, a, b)
+        evidence = (about(prompts, m) + f"{names[0]} {sweep.cell(metric, used, worst, **a)} vs {names[1]} "
+                    f"{sweep.cell(metric, used, worst, **b)}; " + _difference(dec, margin, m) + outcome(dec, rule, margin, paper_diff)
+                    + failures(sweep, used, [(names[0], a), (names[1], b)]))
         out.append(Finding(claim, paper, GREATER if margin is None else NOT_WORSE, scope, evidence, dec.verdict, view, dec,
-                           ((role, a), (role, b)), paper_diff, group, pair))
+                           ((role, a), (role, b)), paper_diff, group, pair, prompts))
     return out
 
 
@@ -183,9 +231,12 @@ def composite(parts: dict[str, list[Finding]], claim: str, paper: str, scope: st
     decision = Decision(verdict, min(d.seeds for d in decisions), Cell(None, None, 0), None,
                         pending=verdict == INCONCLUSIVE and bool(pending),
                         detectable=max((d.detectable for d in decisions if d.detectable is not None), default=None))
-    evidence = "; ".join(f"{name}: {f.evidence.split('; ', 1)[1]} ({f.verdict})" for name, f in found.items())
+    prompts = FIXED if any(f.prompts == FIXED for f in found.values()) else PER_SEED if found else ""
+    lead = next((f.evidence.split(NOT_THE_TASK)[0] + NOT_THE_TASK for f in found.values() if f.prompts == FIXED), "")
+    evidence = lead + "; ".join(f"{name}: {f.evidence.split(NOT_THE_TASK)[-1].split('; ', 1)[1]} ({f.verdict})" for name, f in found.items())
     cells = tuple(dict.fromkeys((role, tuple(sel.items())) for f in (pending or found.values()) for role, sel in f.cells))
-    return Finding(claim, paper, rule_text, scope, evidence, verdict, view, decision, tuple((r, dict(s)) for r, s in cells))
+    return Finding(claim, paper, rule_text, scope, evidence, verdict, view, decision, tuple((r, dict(s)) for r, s in cells),
+                   prompts=prompts)
 
 
 def compression(sweep: Sweep, rule: Sequential, role: str = "compression") -> list[Finding]:

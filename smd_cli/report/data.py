@@ -7,7 +7,9 @@ directories (the recipe's own seeds, then the seeds added until its claims were 
 a later row replacing an earlier one of the same swept values. Each member directory holds `summary.json` (the
 held-out evaluations, `train/*` and `last/*`) and `metrics.jsonl` (one row per step). A run whose policy
 collapsed (status "collapsed", `status_reason`) has results like a completed one and is flagged; a failed run
-has none. Each run's summary says which weights ran (`model/weights`): `model.source=auto` takes a Hub checkpoint
+(diverged, parity broken, or stopped by an error: `Run.failed`) has none, and its summary is read only for why
+(`Run.ended`); where a comparison asks for it, it counts as the metric's worst value (`by_seed(failed=...)`).
+Each run's summary says which weights ran (`model/weights`): `model.source=auto` takes a Hub checkpoint
 when the Hub is reachable or cached and the dequantised GGUF otherwise, so runs of one table can differ by the
 network; `check_weights` refuses to pool or pair such runs (only a swept `model` key may tell them apart).
 Every record is read through `smd_cli.records`: one that is damaged or out of range (a summary's `eval/reward_after=5.0`,
@@ -44,6 +46,21 @@ class Run:
     @property
     def attempted(self) -> bool:
         return self.status != "not run"
+
+    @property
+    def failed(self) -> bool:
+        """It ran and ended without results: diverged, parity broken, or stopped by an error."""
+        return self.attempted and not self.ok
+
+    @property
+    def ended(self) -> str:
+        """How a failed run ended, in a few words: its training summary's status (diverged, parity_broken) and reason, or
+        the sweep's reason (an error, a signal)."""
+        status = self.summary.get("status")
+        why = " ".join(str(self.summary.get("status_reason") or self.error or "").split())
+        why = why if len(why) <= 120 else why[:117] + "..."
+        head = status if status and status != "completed" else "failed"
+        return f"{head}: {why}" if why else head
 
     @property
     def weights(self) -> str | None:
@@ -99,7 +116,8 @@ class Sweep:
                 if not run_dir.is_absolute():
                     run_dir = where / run_dir
                 status = row["status"]
-                member = records.read_summary(run_dir / "summary.json", missing_ok=True) if status in USABLE else {}
+                member = (records.read_summary(run_dir / "summary.json", missing_ok=True) if status in USABLE
+                          else _how_it_ended(run_dir) if status != "not run" else {})
                 reason = row.get("status_reason") or row.get("error")
                 values = {k: str(row[k]) for k in keys}
                 rows[tuple(values.values())] = Run(values, status, reason, run_dir, member)
@@ -113,28 +131,49 @@ class Sweep:
     def select(self, **values) -> list[Run]:
         return [r for r in self.runs if all(r.values.get(k) == str(v) for k, v in values.items())]
 
-    def cell(self, metric: str, seeds=None, **values) -> Cell:
+    def cell(self, metric: str, seeds=None, failed: float | None = None, **values) -> Cell:
         """Mean and standard error of `metric` over the runs with results with these swept values (the seeds; only
-        `seeds` when given)."""
-        return cell(r.metric(metric) for r in self.select(**values) if r.ok and (seeds is None or r.values.get("seed") in seeds))
+        `seeds` when given); a failed run counts as `failed` when given."""
+        runs = [r for r in self.select(**values) if seeds is None or r.values.get("seed") in seeds]
+        return cell(r.metric(metric) if r.ok else failed if r.failed else None for r in runs)
 
-    def by_seed(self, metric: str, **values) -> dict[str, float]:
-        """`metric` of each run with results with these swept values, by its seed (for paired comparisons)."""
-        return {r.values.get("seed", ""): r.metric(metric) for r in self.select(**values) if r.ok and r.metric(metric) is not None}
+    def by_seed(self, metric: str, failed: float | None = None, **values) -> dict[str, float]:
+        """`metric` of each run with results with these swept values, by its seed (for paired comparisons); with
+        `failed` (the metric's worst value: the report's rule), a failed run's seed too, at that value."""
+        out = {}
+        for r in self.select(**values):
+            value = r.metric(metric) if r.ok else failed if r.failed else None
+            if value is not None:
+                out[r.values.get("seed", "")] = value
+        return out
+
+    def failures(self, **values) -> list[Run]:
+        """The failed runs with these swept values."""
+        return [r for r in self.select(**values) if r.failed]
 
     def attempted(self, **values) -> set[str]:
         """The seeds of the runs with these swept values that ran (with results or failed)."""
         return {r.values.get("seed", "") for r in self.select(**values) if r.attempted}
 
-    def paired(self, metric: str, a: dict, b: dict) -> tuple[list[str], list[float | None]]:
+    def paired(self, metric: str, a: dict, b: dict, failed: float | None = None) -> tuple[list[str], list[float | None]]:
         """The per-seed differences a - b of `metric`, in seed order, over the seeds both cells ran (None where either
-        has no value: a failed run), as `stats.sequential` reads them; and those seeds."""
+        has no value: a failed run without `failed`, a run without the metric), as `stats.sequential` reads them; and
+        those seeds. `failed`: the value a failed run counts as (the metric's worst)."""
         seeds = sorted(self.attempted(**a) & self.attempted(**b), key=seed_key)
-        va, vb = self.by_seed(metric, **a), self.by_seed(metric, **b)
+        va, vb = self.by_seed(metric, failed, **a), self.by_seed(metric, failed, **b)
         return seeds, [va[s] - vb[s] if s in va and s in vb else None for s in seeds]
 
     def seeds(self) -> list[str]:
         return self.values("seed") if "seed" in self.keys else []
+
+
+def _how_it_ended(run_dir: Path) -> dict:
+    """A failed run's summary, read only for how it ended (`Run.ended`: its status and reason; its numbers are never
+    used); {} when it is missing or unreadable (the sweep's own reason then says why it failed)."""
+    try:
+        return records.read_object(run_dir / "summary.json", missing_ok=True)
+    except (records.Damaged, OSError):
+        return {}
 
 
 class WeightsDiffer(ValueError):

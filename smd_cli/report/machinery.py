@@ -37,16 +37,28 @@ def tldr(tasks: list[str]) -> list[Finding]:
 
 
 def parity(sweeps: list[Sweep], check: dict | None) -> list[Finding]:
-    """The shadow replay's learner log-probs equal the sampler's. With `check` (`smd check-parity`'s parity.json): judged
-    by its float64 replay, where rounding cannot hide a mask error (a miss beyond the bound and beyond 10 x the float32
-    rounding), every eviction policy; the float32 numbers of every SMD training run and of the check are the rounding
-    beside it. Without it: the training runs' float32 maximum against the float32 bound."""
+    """The shadow replay's learner log-probs equal the sampler's, over every SMD run of the sweeps (a run that several
+    tables share counts once). A run that ended `parity_broken` (its guard found a learner that is not its sampler)
+    makes the claim fail, named; an SMD run that failed otherwise (diverged, stopped by an error) had its parity never
+    judged to the end, so the claim cannot hold over every run (inconclusive, named). With `check` (`smd check-parity`'s
+    parity.json): judged by its float64 replay, where rounding cannot hide a mask error (a miss beyond the bound and
+    beyond 10 x the float32 rounding), every eviction policy; the float32 numbers of every completed SMD training run and
+    of the check are the rounding beside it. Without it: the training runs' float32 maximum against the float32 bound."""
     key = "train/mismatch/max_abs_diff_max"
-    # a run that several tables share counts once
-    runs = {r.dir: r for s in sweeps for r in s.runs if r.ok and isinstance(r.summary.get(key), (int, float))}.values()
+    every = list({r.dir: r for s in sweeps for r in s.runs if r.attempted}.values())
+    everyone = [r for r in every if r.values.get("algo", "smd") == "smd"]
+    broken = [r for r in everyone if r.summary.get("status") == "parity_broken"]
+    unjudged = [r for r in everyone if r.failed and r not in broken]
+    runs = [r for r in every if r.ok and isinstance(r.summary.get(key), (int, float))]
     smd = [r for r in runs if r.values.get("algo", "smd") == "smd"]
     naive = [r for r in runs if r.values.get("algo") == "naive_sparse"]
     evidence = []
+    if broken:
+        evidence.append(f"parity broken in {len(broken)} of {len(everyone)} SMD runs: "
+                        + "; ".join(f"{r.dir.name} ({r.ended})" for r in broken))
+    if unjudged:
+        evidence.append(f"{len(unjudged)} SMD runs failed before their parity was judged to the end: "
+                        + "; ".join(f"{r.dir.name} ({r.ended})" for r in unjudged))
     if smd:
         worst = max(r.summary[key] for r in smd)
         typical = cell(r.metric("steps:mismatch/mean_abs_diff:mean") for r in smd)
@@ -56,6 +68,8 @@ def parity(sweeps: list[Sweep], check: dict | None) -> list[Finding]:
         if contrast is not None:
             evidence[-1] += f" (naive_sparse's dense learner: up to {contrast:.3g})"
     policies = {p: r for p, r in ((check or {}).get("policies") or {}).items() if "shadow_float64" in r.get("views", {})}
+    every_run = ("; over every SMD run of the sweeps: one that ended parity_broken makes it not hold, one that failed before "
+                 "its parity was judged to the end leaves it inconclusive")
     if policies:
         views = {p: r["views"] for p, r in policies.items()}
         wrong = [p for p, r in policies.items() if "shadow_float64" in r.get("failed", [])]
@@ -64,17 +78,17 @@ def parity(sweeps: list[Sweep], check: dict | None) -> list[Finding]:
                         f"{max(v['shadow_float64']['max_abs_diff'] for v in views.values()):.2g} (float32 rounding up to "
                         f"{max(v['shadow_float64']['rounding'] for v in views.values()):.2g})"
                         + (f"; a mask error under {', '.join(wrong)}" if wrong else ""))
-        verdict = FAILS if wrong else HOLDS
+        verdict = FAILS if wrong or broken else INCONCLUSIVE if unjudged else HOLDS
         rule = (f"holds if no eviction policy's float64 replay misses the sampler beyond {check.get('bound', PARITY_BOUND):g} and "
                 "beyond 10 x the float32 rounding (smd check-parity: what float64 leaves is a mask error); the float32 numbers "
-                "are the rounding")
-    elif smd:
-        verdict = HOLDS if worst <= PARITY_BOUND else FAILS
-        rule = f"holds if the largest difference <= {PARITY_BOUND:g} (float32; no float64 replay measured)"
+                "are the rounding" + every_run)
+    elif smd or broken or unjudged:
+        verdict = (FAILS if broken or (smd and worst > PARITY_BOUND) else INCONCLUSIVE if unjudged or not smd else HOLDS)
+        rule = f"holds if the largest difference <= {PARITY_BOUND:g} (float32; no float64 replay measured)" + every_run
     else:
         return []
     return [Finding("The shadow mask makes the learner's policy the sampler's", "pi_sparse = pi_shadow, exactly", rule,
-                    "all SMD runs" + (", every eviction policy" if policies else ""), "; ".join(evidence), verdict)]
+                    f"all {len(everyone)} SMD runs" + (", every eviction policy" if policies else ""), "; ".join(evidence), verdict)]
 
 
 def memory(bench: dict | None) -> list[Finding]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from smd_cli.report.claims import GREATER, MARGIN, NOT_WORSE, PAPER_GSM8K, VIEWS, Finding
+from smd_cli.report.claims import FIXED, GREATER, MARGIN, NOT_WORSE, PAPER_GSM8K, VIEWS, Finding
 from smd_cli.report.data import Sweep
 from smd_cli.stats import Cell, cell, number
 
@@ -22,33 +22,38 @@ MAIN_COLUMNS = [  # (header, metric)
 CORRECTION_PREFIXES = ("is/", "rollout_corr/", "correction/")  # per-step fractions a correction masked or reweighted
 
 
-def counted(runs) -> str:
-    """Runs with results, and how many of them collapsed."""
-    done = [r for r in runs if r.ok]
-    fallen = sum(r.collapsed for r in done)
-    return f"{len(done)}" + (f" ({fallen} collapsed)" if fallen else "")
+COUNTS = ["n", "collapsed", "failed"]  # a cell's runs: with results (collapsed ones included), collapsed, failed
+
+
+def counts(runs) -> list[int]:
+    """A cell's runs with results, how many of them collapsed, and how many failed (ran, no results)."""
+    runs = list(runs)
+    return [sum(r.ok for r in runs), sum(r.ok and r.collapsed for r in runs), sum(r.failed for r in runs)]
 
 
 def main_rows(sweep: Sweep, t: dict) -> tuple[list[str], list[list]]:
     """The main table of one task: the warm start, then each algorithm (mean ± se over seeds)."""
     first = sweep.values("algo")[0]  # the warm start and its evaluations are the same for every algorithm of a seed
     before = [sweep.cell(m.removesuffix("_after") + "_before", **t, algo=first) if m.endswith("_after") else None for _, m in MAIN_COLUMNS]
-    rows = [["before training (warm start)", max(c.n for c in before if c is not None), *("" if c is None else str(c) for c in before), ""]]
+    rows = [["before training (warm start)", max(c.n for c in before if c is not None), "", "",
+             *("" if c is None else str(c) for c in before), ""]]
     for algo in sweep.values("algo"):
         cells = [sweep.cell(m, **t, algo=algo) for _, m in MAIN_COLUMNS]
-        rows.append([algo, counted(sweep.select(**t, algo=algo)), *map(str, cells), PAPER_GSM8K.get(algo, "-")])
-    return ["algo", "n", *(h for h, _ in MAIN_COLUMNS), "paper (GSM8K %)"], rows
+        rows.append([algo, *counts(sweep.select(**t, algo=algo)), *map(str, cells), PAPER_GSM8K.get(algo, "-")])
+    return ["algo", *COUNTS, *(h for h, _ in MAIN_COLUMNS), "paper (GSM8K %)"], rows
 
 
 def per_seed(sweep: Sweep, t: dict) -> tuple[list[str], list[list], list[str]]:
     """Each seed's warm start (held-out under eviction, answer KV kept) beside each algorithm's held-out reward under
-    eviction after training (and the answer KV its eviction kept); † marks a collapsed run. Then sentences that
+    eviction after training (and the answer KV its eviction kept); † marks a collapsed run, "failed" a failed one (the
+    verdicts count it as 0). Then sentences that
     say how much of the spread is the seed's and how much the algorithm's."""
     algos = sweep.values("algo")
     header = ["seed", "warm start: under eviction", "warm start: answer KV kept", *algos, "mean over algorithms"]
     rows, means, kept, spreads = [], [], [], []
     for seed in sweep.seeds():
         runs = {a: next((r for r in sweep.select(**t, algo=a, seed=seed) if r.ok), None) for a in algos}
+        lost = {a for a in algos if sweep.failures(**t, algo=a, seed=seed)}
         warm = next((r for r in runs.values() if r is not None), None)
         if warm is None:
             continue
@@ -58,7 +63,7 @@ def per_seed(sweep: Sweep, t: dict) -> tuple[list[str], list[list], list[str]]:
         def show(a):
             r = runs[a]
             if r is None or not isinstance(after.get(a), (int, float)):
-                return "-"
+                return "failed" if a in lost else "-"
             k = r.summary.get("eval/evict/kept_after")
             return f"{after[a]:.3f}" + ("" if k is None else f" ({k:.2f})") + (" †" if r.collapsed else "")
 
@@ -101,7 +106,8 @@ def verdict_cell(f: Finding | None) -> str:
     if f is None:
         return "-"
     d = f.decision.d if f.decision is not None else Cell(None, None, 0)
-    diff = "" if d.mean is None else f" ({d.mean:+.3f}" + ("" if d.se is None else f" ± {number(d.se)}") + f", {d.n} seeds)"
+    fixed = "; fixed prompts" if f.prompts == FIXED else ""
+    diff = "" if d.mean is None else f" ({d.mean:+.3f}" + ("" if d.se is None else f" ± {number(d.se)}") + f", {d.n} seeds{fixed})"
     return f"**{f.verdict}**{diff}"
 
 

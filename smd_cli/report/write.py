@@ -23,8 +23,12 @@ ABLATION_COLUMNS = [("held-out, under eviction", "eval/evict/reward_after"), ("h
 COLLAPSED = ("A run whose policy collapsed (status `collapsed`, `smd train`'s guard: its reward fell and stayed down) has its "
              "held-out numbers like any other and enters the means and the paired verdicts with them: the collapse is an outcome "
              "of the algorithm on that seed, and leaving it out would flatter the algorithm that collapses. It is counted in "
-             "n ('1 collapsed') and marked † in the per-seed tables; `runs.csv` gives its reason. A run that failed has no "
-             "held-out numbers: its seed drops out of the comparisons that need it.")
+             "n and in 'collapsed', and marked † in the per-seed tables; `runs.csv` gives its reason. A run that failed (it "
+             "diverged, its learner broke parity with its sampler, or an error stopped it) has no held-out numbers of its own: "
+             "the tables count it in 'failed' and average the runs with results, and every paired verdict counts it as the "
+             "reward's worst value, 0, naming it in its evidence, so that no comparison loses the seeds where an algorithm "
+             "failed. (`make reproduce` runs a failed member again whenever it is run again, so a failure of the machine "
+             "rather than of the algorithm goes away; what stays failed is what the algorithm does.)")
 
 
 class Report:
@@ -120,7 +124,7 @@ def _header(header: dict, sweeps: dict[str, Sweep], rule: Sequential) -> list[st
         f"{', '.join(map(str, rule.looks))} seeds (the cap {rule.cap}), each table's recipe giving the first",
         f"- {len(runs)} training runs for {listed} table entries (a run that several tables share ran once); "
         + (f"wall time of the invocation(s) that ran them, benchmarks included, {wall / 60:.1f} min" if isinstance(wall, (int, float))
-           else "wall time not recorded"),
+           else "no invocation here ran a training run (every run's record was reused): their wall time is not recorded here"),
     ]
     if header.get("prediction"):
         lines.append(f"- cost model (`conf/reproduce.yaml` `cost`, README): {header['prediction']}")
@@ -151,13 +155,23 @@ def _setup(sweep: Sweep) -> list[str]:
         f"compression {cfg['compression']} unless swept."
         + (f" The tiny model is first warm-started by {warm['steps']} supervised steps (label smoothing "
            f"{warm.get('label_smoothing', 0)}), one warm start per seed." if warm.get("steps") else ""),
-        f"Held-out: {cfg['eval']['num_prompts']} test prompts (the same for every run), sampled at temperature "
+        f"Held-out: {_held_out_prompts(sweep, cfg)}, sampled at temperature "
         f"{cfg['eval']['temperature']} (seeded) and greedy, each twice: with a dense KV cache, and under the run's eviction "
         f"policy and compression (a dense run under {cfg['eval']['dense_eviction']} at the same compression). The training reward "
         "is the sampler's own, under its eviction. 'answer KV kept' is the fraction of the answer-bearing prompt entries (the "
         "synthetic tasks' needle/marked values) that the eviction kept, over layers and KV heads.",
         COLLAPSED,
     ]
+
+
+def _held_out_prompts(sweep: Sweep, cfg: dict) -> str:
+    """How many held-out prompts each run evaluated, and whose: each seed its own, or the same for every run."""
+    draws = {claims.draw(r.dir) for r in sweep.runs if r.attempted}
+    n = cfg["eval"]["num_prompts"]
+    if draws == {"per_seed"}:
+        return f"{n} test prompts per seed, each seed its own (`eval.prompts=per_seed`; the runs of a seed share them)"
+    return (f"{n} test prompts, the same for every run and seed (`eval.prompts=fixed`, or recorded before that key: the "
+            "verdicts are about these prompts, not the task" + ("; some runs drew their own" if "per_seed" in draws else "") + ")")
 
 
 def _machinery(sweeps: dict[str, Sweep], bench: dict) -> list[claims.Finding]:
@@ -180,11 +194,14 @@ def _claims_section(r: Report, found: list[claims.Finding], rest: list[claims.Fi
            "reward is a mean over N prompts, so se is never taken below what its resolution allows (a per-seed spread of at least "
            f"one prompt's worth 1/N, and sqrt({claims.MARGIN} / N) for 'matches'), and a comparison whose runs all sit at the "
            "reward's bound says 'uninformative (ceiling)' (or floor): nothing was measured (`smd_cli/stats.py` says why, "
-           "`tests/test_stats.py` simulates it). Seeds until "
+           "`tests/test_stats.py` simulates it). Every seed that ran is in the comparison: a failed run counts as the reward's "
+           "worst, 0. A verdict is about the task's prompts when each seed evaluated its own held-out prompts; where the runs "
+           "evaluated the same fixed prompts for every seed, an arm x prompt interaction is shared by all seeds and no seed "
+           "count averages it out, so the verdict is about those prompts only, and its evidence says so. Seeds until "
            "decided: a comparison is looked at when the seeds below are in and stops at the first look where |t| passes that "
            "look's critical value c (Student t, n - 1 degrees of freedom, at the look's share alpha_k of the one-sided error "
-           f"alpha = {rule.alpha}: O'Brien-Fleming-type spending, Bonferroni over the looks, so the chance of a wrong 'holds' "
-           f"stays at or below {rule.alpha} however the looks fall); `make reproduce` adds seeds to every comparison still "
+           f"alpha = {rule.alpha}, in proportion to the seeds the look adds; Bonferroni over the looks, so the chance of a "
+           f"wrong 'holds' stays at or below {rule.alpha} however the looks fall); `make reproduce` adds seeds to every comparison still "
            f"undecided, up to the cap. A comparison undecided at the cap gives the smallest difference its last look detects "
            f"with {rule.power:.0%} probability, beside the paper's own difference, and the seeds a decision would need. Each "
            f"verdict keeps its own error rate (alpha {rule.alpha} each way); over the table's many verdicts a few wrong ones "
@@ -217,20 +234,23 @@ def _tally(found: list[claims.Finding]) -> list[str]:
         count = {v: sum(f.verdict == v for f in group) for v in (HOLDS, FAILS, INCONCLUSIVE)}
         bound = sum(f.verdict in claims.UNINFORMATIVE for f in group)
         pending = sum(f.pending for f in group)
+        fixed = sum(f.prompts == claims.FIXED for f in group)
         lines.append(f"Of {len(group)} verdicts on {name}: {count[HOLDS]} hold, {count[FAILS]} do not hold, {count[INCONCLUSIVE]} "
                      "inconclusive" + (f" ({pending} of them pending: a later look would add seeds)" if pending else " at the cap")
-                     + (f", {bound} uninformative (every run at the reward's bound)" if bound else "") + ".")
+                     + (f", {bound} uninformative (every run at the reward's bound)" if bound else "") + "."
+                     + (f" {'All' if fixed == len(group) else fixed} of them rest on runs that evaluated the same fixed held-out "
+                        "prompts for every seed: they are about those prompts, not the task." if fixed else ""))
     return lines
 
 
 def _claims_csv(out: Path, found: list[claims.Finding]) -> None:
     with atomic_text(out / "claims.csv") as f:
         writer = csv.writer(f)
-        writer.writerow(["claim", "paper", "scope", "view", "verdict", "seeds", "d", "se", "critical", "pending", "detectable",
+        writer.writerow(["claim", "paper", "scope", "view", "verdict", "prompts", "seeds", "d", "se", "critical", "pending", "detectable",
                          "paper_difference", "seeds_needed", "evidence", "rule"])
         for x in found:
             d = x.decision
-            writer.writerow([x.claim, x.paper, x.scope, x.view or "", x.verdict, *(
+            writer.writerow([x.claim, x.paper, x.scope, x.view or "", x.verdict, x.prompts, *(
                 [d.seeds, _str(d.d.mean), _str(d.d.se), _str(d.critical), d.pending, _str(d.detectable)] if d else [""] * 6),
                 _str(x.paper_diff), "" if d is None or d.seeds_needed is None else d.seeds_needed, x.evidence, x.rule])
 
@@ -238,7 +258,8 @@ def _claims_csv(out: Path, found: list[claims.Finding]) -> None:
 def _main_section(r: Report, sweep: Sweep, found: list[claims.Finding]) -> None:
     algos = sweep.values("algo")
     r.text(f"## Main table: the {len(algos)} algorithms at 50 % KV compression",
-           "Mean ± standard error over seeds (n with results). The paper's column is its GSM8K accuracy with Qwen3-4B "
+           "Mean ± standard error over seeds (n with results; collapsed runs among them; failed runs apart, counted as 0 by the "
+           "verdicts). The paper's column is its GSM8K accuracy with Qwen3-4B "
            "(a different model and task: the order, not the scale, is what compares).")
     ours = [f for f in found if f.pair != ("", "")]
     if len(algos) > 2:
@@ -280,15 +301,16 @@ def _layers(sweep: Sweep) -> int:
 
 
 def _ablation_section(r: Report, sweep: Sweep, title: str, x_key: str, plot) -> None:
-    r.text(f"## {title}", f"`smd ablate +recipe={sweep.name}`; mean ± standard error over seeds (n with results).")
+    r.text(f"## {title}", f"`smd ablate +recipe={sweep.name}`; mean ± standard error over seeds (n with results; collapsed "
+           "runs among them; failed runs apart).")
     series = sweep.values("algo") if "algo" in sweep.keys else [None]
     rows = []
     for x in sweep.values(x_key):
         for algo in series:
             a = {"algo": algo} if algo else {}
             cells = [sweep.cell(m, **a, **{x_key: x}) for _, m in ABLATION_COLUMNS]
-            rows.append([x, *([algo] if algo else []), tables.counted(sweep.select(**a, **{x_key: x})), *map(str, cells)])
-    r.table(sweep.name, [x_key, *(["algo"] if series != [None] else []), "n", *(h for h, _ in ABLATION_COLUMNS)], rows)
+            rows.append([x, *([algo] if algo else []), *tables.counts(sweep.select(**a, **{x_key: x})), *map(str, cells)])
+    r.table(sweep.name, [x_key, *(["algo"] if series != [None] else []), *tables.COUNTS, *(h for h, _ in ABLATION_COLUMNS)], rows)
     r.figure(plot(sweep, x_key, r.out, sweep.name), title)
 
 

@@ -7,7 +7,8 @@ composed before anything runs, so a wrong key or option stops the sweep at once 
 needs the model (its architecture, prompts within its positions) each member checks when it starts, so the sweep's
 own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
 `hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
-the members already finished there. A member that fails does not stop the others: the table gives its reason, and
+the members already finished there, and a finished run of a member's config with the fixed held-out prompts (every run
+recorded before `eval.prompts`) stands for it (`ablate.reuse_fixed_prompts`; its verdicts are about those prompts). A member that fails does not stop the others: the table gives its reason, and
 once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per
 member), with a swept key of `ablate.aggregate_over` (`seed`) `ablation_mean.{md,csv,png}` (mean and standard error
 over it), and `summary.json`.
@@ -32,7 +33,7 @@ from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import open_sweep_dir
 from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, user_overrides
+from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, stand_ins, user_overrides
 from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
 
 
@@ -62,6 +63,12 @@ def run(cfg: DictConfig) -> dict:
         integrity.make_dir(runs_dir, "the sweep's runs")
     except integrity.Unwritable as err:
         raise ConfigError(f"ablate.runs_dir={str(runs_dir)!r} is not allowed: {err}") from None
+    if cfg.ablate.reuse_fixed_prompts:
+        members, fixed = stand_ins(members, runs_dir)
+        if fixed:
+            console.print(f"ablate: {len(fixed)} runs finished with eval.prompts=fixed (every seed the same held-out prompts, as "
+                          "every run recorded before eval.prompts) stand for their members: their verdicts are about those "
+                          "prompts (ablate.reuse_fixed_prompts=false runs them again, each seed on its own)", highlight=False)
     runs = distinct(members)
     done = {m.identity for m in runs if finished(runs_dir / m.name, m)}
     pending = [m for m in runs if m.identity not in done]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from smd_cli import heldout
 from smd_cli.stages.checks import ConfigError
 from smd_cli.tasks.loading import PromptTooLong
 
@@ -15,6 +16,21 @@ def load_examples(task, split: str, limit: int | None = None) -> list[dict]:
     if not examples:
         raise ConfigError(f"task={task.name} split {split!r} is empty (no examples)")
     return examples
+
+
+def held_out_examples(task, n: int, seed: int, draw: str) -> list[dict]:
+    """The `n` held-out prompts of a run with this `seed` and `eval.prompts` draw (`smd_cli.heldout`): a generated task's
+    examples by index, a finite split's after loading it whole (its size sets the sample); a config error names the key."""
+    if not n:
+        return []
+    if draw == "fixed":
+        return load_examples(task, task.test_split, n)
+    pool = None if hasattr(task, "example") else load_examples(task, task.test_split)
+    try:
+        chosen = heldout.indices(draw, seed, n, None if pool is None else len(pool))
+        return [task.example(task.test_split, i) for i in chosen] if pool is None else [pool[i] for i in chosen]
+    except (KeyError, ValueError) as err:
+        raise ConfigError(f"task={task.name} split {task.test_split!r}: {err.args[0] if err.args else err}") from err
 
 
 def encode_prompt(task, example: dict, tokenizer) -> list[int]:

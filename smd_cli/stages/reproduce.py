@@ -11,9 +11,11 @@ the claims are judged from the runs there are, and every cell of a claim still u
 look, through `smd ablate +recipe=NAME KEY=v ... seed=a,b` (printed as it runs; finished runs are reused), until
 every claim is decided or at its cap. Then `smd check-parity` (every eviction policy, float32 and float64) and the
 benchmarks (`bench/learner_memory.py`, `bench/step_overhead.py`) write their JSON, and `smd_cli.report` writes
-REPORT.md with its CSVs and PNGs. A failed
-run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
-result it finds, and reaches the same seeds (the verdicts are a function of the runs).
+REPORT.md with its CSVs and PNGs, and copies the JSON it read besides the runs into OUT/records/ (`keep_records`). A
+failed run is reported in its table and the rest go on; started again, the stage skips every finished run and benchmark
+result it finds, and reaches the same seeds (the verdicts are a function of the runs). A finished run recorded with the
+fixed held-out prompts (every run from before `eval.prompts`) stands for its member (`sweep.stand_ins`), and the report
+says that its verdicts are about those prompts.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from rich.table import Table
 
 from smd_cli import lifetime, records
 from smd_cli.failures import Interrupted
+from smd_cli.integrity import write_file
 from smd_cli.io import git_commit, package_versions, write_json
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
@@ -45,7 +48,7 @@ from smd_cli.stages.checks import ROOT, ConfigError, check
 from smd_cli.stages.console import console
 from smd_cli.stages.run_dirs import start_run
 from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import distinct, finished, plan
+from smd_cli.stages.sweep import distinct, finished, plan, stand_ins
 from smd_cli.stats import Sequential
 
 HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
@@ -100,6 +103,8 @@ def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, r
         overrides = sweep_overrides(cfg, scale, recipe, root)
         ablate_cfg = compose(config_name="ablate", overrides=overrides)
         sweep, combos = plan(ablate_cfg, [o for o in overrides if not o.startswith("ablate.")])
+        if ablate_cfg.ablate.reuse_fixed_prompts:  # what `smd ablate` will reuse: runs recorded with the fixed held-out prompts
+            combos = stand_ins(combos, root / "members")[0]
         members = distinct(combos)
         shared = [m for m in members if m.identity in seen]
         done = [m for m in members if m.identity not in seen and finished(root / "members" / m.name, m)]
@@ -243,16 +248,18 @@ def _run(cfg: DictConfig, scale: str, root: Path, out: Path) -> dict:
     with open_dict(cfg):
         cfg.run_dir, cfg.overrides = str(root), list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     start_run(cfg)
+    recorded = outcomes_recorded(root)
     outcomes = {}
     for role, recipe in tables.items():
         outcomes[role] = run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe))
         if not (root / "sweeps" / recipe / "summary.json").is_file():  # 1: some runs failed (in the table); the rest go on
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
-    added, rounds = add_seeds(cfg, scale, tables, root, seq)
+    rounds = add_seeds(cfg, scale, tables, root, seq)[1]
     which = f"{scale}_quick" if cfg.quick else scale  # the benchmarks and parity check of this scale, or of its quick check
     bench = run_benchmarks(cfg, which, root / "bench")
     bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity")
-    seconds = record_time(root, started, pending + added)
+    ran = sum(stamp != recorded.get(name) for name, stamp in outcomes_recorded(root).items())  # runs this invocation ran
+    seconds = record_time(root, started, ran)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     extra = [o for o in cfg.overrides if o.split("=")[0] not in ("small", "paper", "quick")]  # a subset, other looks, ...: said
     args = f" ARGS=\"{' '.join(extra)}\"" if extra else ""
@@ -266,6 +273,7 @@ def _run(cfg: DictConfig, scale: str, root: Path, out: Path) -> dict:
         report = write_report(out, read_tables(tables, root), bench, header, seq)
     except WeightsDiffer as err:  # the network chose the weights run by run (model.source=auto)
         raise ConfigError(str(err)) from None
+    keep_records(root, out)
     failed = {role: code for role, code in outcomes.items() if code}
     console.print(f"report written to {report}" + (f"; tables with failed runs: {', '.join(failed)}" if failed else ""))
     return {"report": str(report), "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()}, "failed_tables": failed}
@@ -352,6 +360,24 @@ def run_parity(cfg: DictConfig, which: str, where: Path) -> dict | None:
         console.print("[yellow]warning:[/yellow] smd check-parity wrote no parity.json: the parity claim reads the runs alone")
         return None
     return records.read_object(path)
+
+
+RECORDS = ("bench/*.json", "bench/check_parity/parity.json", "timing.json")  # what the report reads besides the runs and the rounds
+
+
+def keep_records(root: Path, out: Path) -> None:
+    """Copy what the report read besides the runs (the benchmarks' and the parity check's JSON, the invocations' times)
+    into OUT/records/, in ROOT's layout: copied back into a runs directory with the runs' own records, `smd reproduce`
+    skips every benchmark and reaches the same report (results/reproduce_small/members/README.md). The rounds of seeds
+    added are not kept: a function of the runs, they come out the same again."""
+    for pattern in RECORDS:
+        for path in sorted(root.glob(pattern)):
+            write_file(out / "records" / path.relative_to(root), path.read_bytes())
+
+
+def outcomes_recorded(root: Path) -> dict[str, int]:
+    """Each member directory's member.json (the outcome of a run that ran: finished or failed) by its modification time."""
+    return {p.parent.name: p.stat().st_mtime_ns for p in (root / "members").glob("*/member.json")}
 
 
 def record_time(root: Path, started: float, ran: int) -> float | None:

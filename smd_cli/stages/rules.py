@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from smd_cli.heldout import DRAWS
 from smd_cli.options import KV_KINDS, MAX_SUPPORT, VIEWS
 from smd_cli.stages.checks import DTYPES, ROOT, ConfigError
 
@@ -240,6 +241,7 @@ RULES: dict[str, Rule] = {
     "sampling.compile": one_of("auto", True, False),
     "kv.quant": one_of(*KV_KINDS),
     "eval.num_prompts": integer(0),
+    "eval.prompts": one_of(*DRAWS),
     "eval.batch_size": integer(1),
     "eval.temperature": real(0, text=">= 0 (0 = greedy)"),
     "eval.greedy": flag(),
@@ -296,6 +298,7 @@ RULES: dict[str, Rule] = {
     "ablate.command_line": Rule(_sweep_entries, "a list of KEY=v1,v2 entries"),
     "ablate.subset": Rule(_sweep_entries, "a list of KEY=v1,v2 entries (values of swept keys to keep)"),
     "ablate.runs_dir": text("a folder path", null="runs/ in the sweep's directory"),
+    "ablate.reuse_fixed_prompts": flag(),
     "ablate.metrics": strings("a non-empty list of summary.json keys, e.g. [eval/reward_after]", nonempty=True),
     "ablate.plot_metric": text("a summary.json key, e.g. eval/reward_after"),
     "ablate.aggregate_over": strings("a list of swept keys to average over, e.g. [seed]"),

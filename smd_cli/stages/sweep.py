@@ -27,7 +27,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
@@ -36,6 +36,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from smd_cli import adaptive, integrity, lifetime, records
+from smd_cli.heldout import LEGACY
 from smd_cli.io import write_json
 from smd_cli.stages.checks import ROOT, ConfigError, one_line
 from smd_cli.stages.rules import check_config
@@ -59,6 +60,7 @@ class Member:
     identity: str  # SHA-256 of the composed config, less NOT_IDENTITY
     name: str  # directory name in the runs directory
     before: tuple = ()  # what its held-out evaluations before training depend on (members alike share them: eval.reuse_before)
+    twin: tuple[str, str] | None = None  # (identity, name) of the same run with eval.prompts=fixed, for a per-seed member
 
     @property
     def label(self) -> str:
@@ -133,6 +135,23 @@ def plan(cfg: DictConfig, base: list[str]) -> tuple[list[tuple[str, list[str]]],
     return list(sweep.items()), members
 
 
+def stand_ins(members: list[Member], runs_dir: Path) -> tuple[list[Member], list[str]]:
+    """Each member whose own run in `runs_dir` is not finished but whose fixed-prompts twin's is (`Member.twin`: the
+    same run with eval.prompts=fixed, as every run recorded before that key was): the twin in its place. Its held-out
+    numbers are about the fixed prompts (the report reads each run's config.json and says so). Returns the members,
+    twins in place, and the twins' directory names."""
+    chosen: dict[str, bool] = {}
+    out, used = [], []
+    for m in members:
+        if m.twin is not None and m.identity not in chosen:
+            identity, name = m.twin
+            chosen[m.identity] = not finished(runs_dir / m.name, m) and _finished(runs_dir / name, identity) is not None
+            if chosen[m.identity]:
+                used.append(name)
+        out.append(replace(m, identity=m.twin[0], name=m.twin[1], twin=None) if chosen.get(m.identity) else m)
+    return out, used
+
+
 def distinct(members: list[Member]) -> list[Member]:
     """One member per run: combinations that compose to the same config (`lambda=0.1` and `0.10`, or any lambda
     of a non-SMD run) share it."""
@@ -183,6 +202,7 @@ def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
     if adaptive.problem(cfg):  # what depends on several keys, as `smd train` checks it (compression=adaptive with algo=dense)
         raise ConfigError(f"ablate run {label}: {adaptive.problem(cfg)}")
     choices, identity = cfg.hydra.runtime.choices, config_identity(cfg)
+    twin = config_identity(cfg, prompts=LEGACY) if cfg.eval.get("prompts", LEGACY) != LEGACY else None
     config = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
               for k in ("algo", "compression", "lambda", "seed")}
     parts = [choices.task, config["algo"]["name"]]
@@ -192,25 +212,35 @@ def _member(combo: tuple, overrides: list[str], composer: _Composer) -> Member:
     if config["algo"].get("distill"):  # lambda is read only by an algorithm that distils (SMD)
         parts.append(f"lam{config['lambda']:g}")
     parts.append(f"seed{config['seed']}")
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(map(str, parts))) + f"_{identity[:8]}"
-    return Member(tuple(combo), overrides, identity, name, before_evaluation(cfg, choices))
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "-", "_".join(map(str, parts)))
+    return Member(tuple(combo), overrides, identity, f"{stem}_{identity[:8]}", before_evaluation(cfg, choices),
+                  None if twin is None else (twin, f"{stem}_{twin[:8]}"))
 
 
 def before_evaluation(cfg: DictConfig, choices) -> tuple:
     """What a member's evaluations before training depend on, as far as its config tells (the cost model's share of
     `smd_cli.eval_cache`): the task, the starting weights (a seed's own warm start), the evaluating eviction and
-    compression, the prompts; the seed also when the evaluation samples."""
+    compression, the prompts; the seed also when the evaluation samples or its prompts are the seed's own."""
     warm = cfg.model.get("warmstart") or {}
-    seeded = bool(warm.get("steps")) or cfg.eval.temperature > 0
+    seeded = bool(warm.get("steps")) or cfg.eval.temperature > 0 or cfg.eval.get("prompts", LEGACY) != LEGACY
     evicting = f"{choices.eviction}" if cfg.algo.evicting else f"dense:{cfg.eval.dense_eviction}"
     return (choices.task, choices.model, f"seed={cfg.seed}" if seeded else "", evicting, str(cfg.compression), int(cfg.eval.num_prompts))
 
 
-def config_identity(cfg: DictConfig) -> str:
+def config_identity(cfg: DictConfig, prompts: str | None = None) -> str:
     """SHA-256 of a composed train config, less the keys that only change how it is carried out (NOT_IDENTITY)
-    and `lambda` for the algorithms that do not read it (all but those that distil: SMD)."""
+    and `lambda` for the algorithms that do not read it (all but those that distil: SMD). `eval.prompts` at its
+    legacy value `fixed` is left out too: a run recorded before the key existed evaluated the fixed prompts, and keeps
+    its identity (and directory) as the run of `eval.prompts=fixed`. `prompts`: the identity with that draw instead
+    (a per-seed member's fixed-prompts twin, `Member.twin`)."""
     unused = NOT_IDENTITY + (() if cfg.algo.get("distill") else ("lambda",))
     config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k not in unused}
+    held = config.get("eval")
+    if isinstance(held, dict) and "prompts" in held:
+        draw = prompts or held["prompts"]
+        held.pop("prompts")
+        if draw != LEGACY:
+            held["prompts"] = draw
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 

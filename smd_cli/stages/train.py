@@ -2,9 +2,9 @@
 
 Each step samples `grpo.prompts_per_step` prompts x G generations with the rollout's eviction policy
 (none for algo=dense), scores them with the task's reward, normalises advantages within each group,
-and takes one `learner_step`. Held-out reward is measured before and after training on the task's test split
-(sampled at the eval temperature, seeded, and greedy). Sampling at step s uses a generator seeded from (seed, s), so a resumed run
-draws exactly what an uninterrupted one would.
+and takes one `learner_step`. Held-out reward is measured before and after training on the task's test split, each seed on
+its own prompts (`eval.prompts`, `smd_cli.heldout`; sampled at the eval temperature, seeded, and greedy). Sampling at step s
+uses a generator seeded from (seed, s), so a resumed run draws exactly what an uninterrupted one would.
 
 Checkpoints (`smd_cli.checkpoint`) are written every `checkpoint.every` steps and at the end, plus `final/`.
 `resume=true` (or `resume=RUN_DIR`) restores weights, optimizer, RNG states and the eviction policy's own
@@ -47,7 +47,7 @@ from smd_cli.stages.checks import ConfigError, check, check_offload, unread_keys
 from smd_cli.stages.console import console
 from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory
 from smd_cli.stages.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
-from smd_cli.stages.prompts import check_prompts, encode_prompt, load_examples
+from smd_cli.stages.prompts import check_prompts, encode_prompt, held_out_examples, load_examples
 from smd_cli.stages.run_dirs import pick_device, start_run
 from smd_cli.stages.train_state import Whereabouts, stopped  # Ctrl-C and a failed write: one line, a status
 from smd_cli.stages.planning import check_fits
@@ -248,7 +248,7 @@ def _run(cfg: DictConfig, where: Whereabouts) -> dict:
     task = build_task(cfg)
     policy = rollout_policy(cfg)
     pool = None if hasattr(task, "example") else load_examples(task, task.train_split)  # data errors before the model
-    eval_examples = load_examples(task, task.test_split, cfg.eval.num_prompts) if cfg.eval.num_prompts else []
+    eval_examples = held_out_examples(task, cfg.eval.num_prompts, cfg.seed, cfg.eval.prompts)  # the seed's own (eval.prompts)
     check_offload(cfg, distributed.size())
     check_prompts(task, eval_examples, load_tokenizer(cfg))  # training prompts are checked as each step reads them
     check(cfg.grpo.prompts_per_step % distributed.size() == 0, "grpo.prompts_per_step", cfg.grpo.prompts_per_step,
