@@ -19,7 +19,7 @@ import math
 import statistics
 from pathlib import Path
 
-from smd_cli.integrity import atomic_text, write_file
+from smd_cli.runtime.integrity import atomic_text, write_file
 
 FIELDS = {"kv kept": "train/kv/kept_fraction_mean", "compression chosen": "train/compression_mean",
           "agreement p5": "train/agreement/p5_mean", "agreement mean": "train/agreement/mean_mean", "held-out, own cache": "eval/evict/reward_after",

@@ -2,7 +2,7 @@
 
 For every eviction policy x compression, on held-out prompts of the small scale (SmolLM2-135M-Instruct on passkey,
 `scale=small`): samples G responses per prompt under the evicting cache (temperature `--temperature`, as GRPO's
-rollouts do) and reports the per-token agreement of the sampler with the dense policy (`smd_cli.agreement`: p5,
+rollouts do) and reports the per-token agreement of the sampler with the dense policy (`smd_cli.learner.agreement`: p5,
 p50, mean over the sampled tokens) beside the reward of those samples and the greedy held-out reward under the
 same eviction (what `smd train`'s eval/evict/reward measures at the small scale), and the KV kept. A first row,
 eviction=none, is the dense cache (agreement 1).
@@ -27,14 +27,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from smd_cli import agreement
 from smd_cli.cli import CONF_DIR
-from smd_cli.rollout import generate, response_texts
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import load_model
-from smd_cli.stages.prompts import encode_prompt, load_examples
-from smd_cli.stages.run_dirs import pick_device
-from smd_cli.integrity import write_file
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.config.prompts import encode_prompt, load_examples
+from smd_cli.learner import agreement
+from smd_cli.rollout.sampler import generate, response_texts
+from smd_cli.runs.model_loading import load_model
+from smd_cli.runs.run_dirs import pick_device
+from smd_cli.runtime.integrity import write_file
 
 POLICIES = "snapkv,h2o,recent,random,knorm"
 COMPRESSIONS = "0.3,0.4,0.5,0.6,0.7,0.8,0.9"

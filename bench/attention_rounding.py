@@ -25,11 +25,11 @@ import random
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli import kernels
+from smd_cli.attention import kernels
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_model
-from smd_cli.stages.prompts import encode_prompt, load_examples
+from smd_cli.config.factories import build_task
+from smd_cli.config.prompts import encode_prompt, load_examples
+from smd_cli.runs.model_loading import load_model
 
 HEADS, KV_HEADS, DIM = 9, 3, 64  # SmolLM2-135M (conf/model/smollm2_135m.yaml)
 

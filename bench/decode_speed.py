@@ -3,8 +3,8 @@
 Four ways to decode the same batch (`rows` prompts of `prompt` tokens, `new` new tokens each, eos disabled
 so that every row decodes every token; sampling at temperature 1 by default, `--greedy` for argmax):
 
-- `smd dense`:   `smd_cli.rollout.generate` without a policy (DynamicCache, the smd attention)
-- `smd snapkv`:  `smd_cli.rollout.generate` with SnapKV(c=0.5): the evicting cache, shadow mask recorded
+- `smd dense`:   `smd_cli.rollout.sampler.generate` without a policy (DynamicCache, the smd attention)
+- `smd snapkv`:  `smd_cli.rollout.sampler.generate` with SnapKV(c=0.5): the evicting cache, shadow mask recorded
 - `hf dynamic`:  `model.generate` with a DynamicCache
 - `hf static`:   `model.generate` with `cache_implementation="static"` (the reference: ratios are to it)
 - on CUDA also `smd snapkv eager`: the same as `smd snapkv` with `compile=False` (no CUDA graphs), and
@@ -40,9 +40,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from smd_cli.eviction.snapkv import SnapKV  # noqa: E402
-from smd_cli.models import build_tiny_model  # noqa: E402
-from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.integrity import write_file  # noqa: E402
+from smd_cli.model.build import build_tiny_model  # noqa: E402
+from smd_cli.rollout.sampler import generate  # noqa: E402
+from smd_cli.runtime.integrity import write_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -188,8 +188,8 @@ def load_named(name: str, dtype: str = "float32"):
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
-    from smd_cli.stages.factories import build_task
-    from smd_cli.stages.model_loading import load_model, weights_label
+    from smd_cli.config.factories import build_task
+    from smd_cli.runs.model_loading import load_model, weights_label
 
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="rollout", overrides=[f"model={name}", f"model.dtype={dtype}", "task=passkey", "device=cpu", "progress=false",

@@ -28,11 +28,11 @@ from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.evaluation import evaluate
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import compute_dtype, load_model, set_precision
-from smd_cli.stages.prompts import load_examples
-from smd_cli.integrity import write_file
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.config.prompts import load_examples
+from smd_cli.evaluation.batch import evaluate
+from smd_cli.runs.model_loading import compute_dtype, load_model, set_precision
+from smd_cli.runtime.integrity import write_file
 
 SIZES = (16, 32, 64, 128, 256, 512, 1024)
 

@@ -37,18 +37,18 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from smd_cli import shadow  # noqa: E402
+from smd_cli.attention import shadow  # noqa: E402
+from smd_cli.checks.planner import Arch, Run, plan  # noqa: E402
+from smd_cli.checks.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.eviction.snapkv import SnapKV  # noqa: E402
-from smd_cli.learner import Algorithm, learner_step  # noqa: E402
-from smd_cli.losses import group_advantages  # noqa: E402
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer, enable_checkpointing  # noqa: E402
-from smd_cli.offload import Offload  # noqa: E402
-from smd_cli.planner import Arch, Run, plan  # noqa: E402
-from smd_cli.precision import build_optimizer  # noqa: E402
-from smd_cli.profiler import live_tensor_peak  # noqa: E402
-from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.scoring import response_hidden, vocab_terms  # noqa: E402
-from smd_cli.integrity import write_file  # noqa: E402
+from smd_cli.learner.forward import response_hidden, vocab_terms  # noqa: E402
+from smd_cli.learner.losses import group_advantages  # noqa: E402
+from smd_cli.learner.step import Algorithm, learner_step  # noqa: E402
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer, enable_checkpointing  # noqa: E402
+from smd_cli.model.precision import build_optimizer  # noqa: E402
+from smd_cli.rollout.sampler import generate  # noqa: E402
+from smd_cli.runtime.integrity import write_file  # noqa: E402
+from smd_cli.runtime.offload import Offload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
@@ -60,7 +60,7 @@ def qwen3_4b() -> dict:
 
 
 def build(widths: dict, tokenizer, seed: int, dtype, device):
-    """The model of `widths` as `smd_cli.stages.model_loading.load_model` builds `model.config` (its own vocabulary wins)."""
+    """The model of `widths` as `smd_cli.runs.model_loading.load_model` builds `model.config` (its own vocabulary wins)."""
     fields = {"vocab_size": len(tokenizer), **widths}
     return build_tiny_model(fields.pop("vocab_size"), seed=seed, dtype=dtype, device=device, draw_once=True, **fields).eval()
 

@@ -30,11 +30,11 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
-from smd_cli.physical import physical_response_logits  # noqa: E402
-from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.losses import token_logprobs  # noqa: E402
-from smd_cli.scoring import response_logits  # noqa: E402
+from smd_cli.learner.forward import response_logits  # noqa: E402
+from smd_cli.learner.physical import physical_response_logits  # noqa: E402
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer  # noqa: E402
+from smd_cli.rollout.sampler import generate  # noqa: E402
+from smd_cli.rollout.sampling import token_logprobs  # noqa: E402
 
 
 def policies(compression: float, seed: int):

@@ -74,9 +74,9 @@ def our_side(args) -> tuple[dict, dict]:
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
-    from smd_cli.rollout import generate, response_texts
-    from smd_cli.stages.factories import build_policy, build_task
-    from smd_cli.stages.model_loading import load_model, model_source, weights_label
+    from smd_cli.config.factories import build_policy, build_task
+    from smd_cli.rollout.sampler import generate, response_texts
+    from smd_cli.runs.model_loading import load_model, model_source, weights_label
 
     with tempfile.TemporaryDirectory() as tmp, initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="eval", overrides=["model=smollm2_135m", "task=passkey", "device=cpu", "progress=false", "threads=2",
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> None:
         print(f"| {a['pair']} | {a['compression']} | {a['exact']:.3f} | {b['exact']:.3f} | {a['reward']:.3f} | {b['reward']:.3f} | "
               f"{a['kept_prompt_fraction']:.3f} | {b['kept_prompt_fraction']:.3f} | {both} |")
     if args.json:
-        from smd_cli.integrity import write_file  # here: the kvpress side runs in an environment without smd
+        from smd_cli.runtime.integrity import write_file  # here: the kvpress side runs in an environment without smd
 
         write_file(args.json, json.dumps({"weights": ours["weights"], "kvpress": theirs.get("kvpress"), "transformers_kvpress": theirs["transformers"],
                                          "args": {k: str(v) for k, v in vars(args).items()}, "ours": mine, "kvpress_rows": peer}, indent=1) + "\n")

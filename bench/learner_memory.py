@@ -7,7 +7,7 @@
     .venv/bin/python bench/learner_memory.py --json out.json
 
 One evicting rollout (SnapKV, c = 0.5) of `rows` prompts, then on that batch:
-1. a whole `learner_step` of each algorithm (`smd_cli.learner.ALGORITHMS`), after a warm-up step
+1. a whole `learner_step` of each algorithm (`smd_cli.learner.step.ALGORITHMS`), after a warm-up step
    so that gradients and optimizer state exist: the dynamic peak (live tensor bytes above what was held
    before the step) and the static bytes held (weights, gradients, optimizer state, and for Sparse-RL the
    frozen reference model its k3 KL term needs), each over naive_sparse's;
@@ -15,7 +15,7 @@ One evicting rollout (SnapKV, c = 0.5) of `rows` prompts, then on that batch:
    replay (SMD's view) and the physical-eviction learner (re-run the prefill, evict by slicing, teacher-force
    the response: the memory baseline the paper calls "not-in-place allocation spikes"), over dense's, on a
    SnapKV rollout and on an H2O one (decode-time eviction).
-Peaks come from `smd_cli.profiler.live_tensor_peak` (the CUDA allocator's peak on a GPU, the profiler's
+Peaks come from `smd_cli.checks.profiler.live_tensor_peak` (the CUDA allocator's peak on a GPU, the profiler's
 allocation events on the CPU).
 """
 
@@ -31,17 +31,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from smd_cli.checks.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.eviction.h2o import H2O  # noqa: E402
 from smd_cli.eviction.snapkv import SnapKV  # noqa: E402
-from smd_cli.learner import ALGORITHMS, Algorithm, learner_step  # noqa: E402
-from smd_cli.losses import token_logprobs  # noqa: E402
-from smd_cli.models import build_tiny_model  # noqa: E402
-from smd_cli.physical import physical_response_logits  # noqa: E402
-from smd_cli.precision import build_optimizer  # noqa: E402
-from smd_cli.profiler import live_tensor_peak  # noqa: E402
-from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.scoring import response_logits  # noqa: E402
-from smd_cli.integrity import write_file  # noqa: E402
+from smd_cli.learner.forward import response_logits  # noqa: E402
+from smd_cli.learner.physical import physical_response_logits  # noqa: E402
+from smd_cli.learner.step import ALGORITHMS, Algorithm, learner_step  # noqa: E402
+from smd_cli.model.build import build_tiny_model  # noqa: E402
+from smd_cli.model.precision import build_optimizer  # noqa: E402
+from smd_cli.rollout.sampler import generate  # noqa: E402
+from smd_cli.rollout.sampling import token_logprobs  # noqa: E402
+from smd_cli.runtime.integrity import write_file  # noqa: E402
 
 # TINY: a step of `make train` (16 prompts x 8 samples); PAPER: distinct prompts, as bench/plan_check.py --paper
 TINY = dict(layers=2, hidden=64, intermediate=192, heads=4, kv_heads=2, head_dim=16, vocab=541, prompt=256, response=5, rows=128, group=8)

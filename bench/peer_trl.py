@@ -5,7 +5,7 @@ Needs TRL, an optional extra for benchmarks only: `pip install -e ".[bench]"` (`
 
 The work, identical on both sides:
 - the tiny Qwen3 (2 layers, hidden 64, intermediate 192, GQA 4/2, head dim 16) built by
-  `smd_cli.models.build_tiny_model(seed=0)` and the project's tokenizer, saved with `save_pretrained` to a
+  `smd_cli.model.build.build_tiny_model(seed=0)` and the project's tokenizer, saved with `save_pretrained` to a
   temporary folder that TRL loads (float32, SDPA); `smd train` builds the very same weights from the same seed;
 - prompts: the needle task's train prompts 0, 1, 2, ... in order (TRL: `shuffle_dataset=False`), BOS + 255
   words = 256 tokens each (TRL receives the text with the BOS written out, which tokenizes to the same ids);
@@ -50,7 +50,7 @@ BENCH = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # `python bench/peer_trl.py` from a checkout without the editable install
     sys.path.insert(0, str(ROOT))
 
-from smd_cli.integrity import write_file  # noqa: E402
+from smd_cli.runtime.integrity import write_file  # noqa: E402
 from smd_cli.tasks.synthetic import NeedleRetrieval  # noqa: E402
 
 PROMPTS_PER_STEP, GENERATIONS, NEW_TOKENS, LR, SEED = 2, 8, 8, 1e-3, 0
@@ -83,7 +83,7 @@ def save_model(folder: Path) -> None:
     """The tiny model smd builds at seed 0 and its tokenizer, in `save_pretrained` format, for TRL."""
     import torch
 
-    from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+    from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
     model = build_tiny_model(len(tok), seed=SEED, dtype=torch.float32)

@@ -24,14 +24,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from smd_cli.checks.planner import Arch, Run, plan  # noqa: E402
+from smd_cli.checks.profiler import live_tensor_peak  # noqa: E402
 from smd_cli.eviction.snapkv import SnapKV  # noqa: E402
-from smd_cli.learner import Algorithm, learner_step  # noqa: E402
-from smd_cli.models import build_tiny_model, enable_checkpointing  # noqa: E402
-from smd_cli.planner import Arch, Run, plan  # noqa: E402
-from smd_cli.precision import build_optimizer  # noqa: E402
-from smd_cli.profiler import live_tensor_peak  # noqa: E402
-from smd_cli.rollout import generate  # noqa: E402
-from smd_cli.integrity import write_file  # noqa: E402
+from smd_cli.learner.step import Algorithm, learner_step  # noqa: E402
+from smd_cli.model.build import build_tiny_model, enable_checkpointing  # noqa: E402
+from smd_cli.model.precision import build_optimizer  # noqa: E402
+from smd_cli.rollout.sampler import generate  # noqa: E402
+from smd_cli.runtime.integrity import write_file  # noqa: E402
 
 PAPER = dict(hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
 # (layers, P, R, rows, widths): the suite's sizes span prompt-, response- and vocabulary-dominated regimes

@@ -32,12 +32,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR
-from smd_cli.evaluation import evaluate, evidence_kept
-from smd_cli.rollout import generate, response_texts
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import load_model, weights_label
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.evaluation.batch import evaluate, evidence_kept
+from smd_cli.rollout.sampler import generate, response_texts
+from smd_cli.runs.model_loading import load_model, weights_label
+from smd_cli.runtime.integrity import write_file
 from smd_cli.stages.rollout import parity_report
-from smd_cli.integrity import write_file
 
 POLICIES = ["snapkv", "h2o", "recent", "random", "knorm"]
 COMPRESSIONS = [0.3, 0.5, 0.7, 0.9]
@@ -157,8 +157,8 @@ def part_parity(cfg, task, model, tokenizer, args) -> list[dict]:
 
 
 def part_float64(cfg, task, model, tokenizer, args) -> list[dict]:
-    from smd_cli.physical import physical_response_logits
-    from smd_cli.scoring import response_hidden
+    from smd_cli.learner.forward import response_hidden
+    from smd_cli.learner.physical import physical_response_logits
 
     task.prompt_tokens = args.tokens
     examples = [e for e in task.examples("test", args.n) for _ in range(args.group)]

@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import ALGORITHMS, Algorithm, learner_step
-from smd_cli.losses import group_advantages
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer
-from smd_cli.rollout import generate
-from smd_cli.integrity import write_file
+from smd_cli.learner.losses import group_advantages
+from smd_cli.learner.step import ALGORITHMS, Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
+from smd_cli.rollout.sampler import generate
+from smd_cli.runtime.integrity import write_file
 
 
 def main(argv=None) -> dict:

@@ -20,20 +20,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from smd_cli.integrity import write_file
+from smd_cli.runtime.integrity import write_file
 
 PHASES = [  # (label, file suffix, function name): cumulative seconds from the profile
     ("whole run (smd train)", "smd_cli/stages/train.py", "run"),
-    ("model load", "smd_cli/stages/model_loading.py", "load_model"),
-    ("weights' integrity hash (files read at start)", "smd_cli/integrity.py", "sha256"),
-    ("held-out evaluations (before + after)", "smd_cli/evaluation.py", "evaluate"),
-    ("learner step", "smd_cli/learner.py", "learner_step"),
-    ("  forward: view (+ teacher)", "smd_cli/learner.py", "_scored"),
+    ("model load", "smd_cli/runs/model_loading.py", "load_model"),
+    ("weights' integrity hash (files read at start)", "smd_cli/runtime/integrity.py", "sha256"),
+    ("held-out evaluations (before + after)", "smd_cli/evaluation/batch.py", "evaluate"),
+    ("learner step", "smd_cli/learner/step.py", "learner_step"),
+    ("  forward: view (+ teacher)", "smd_cli/learner/step.py", "_scored"),
     ("  backward", "torch/_tensor.py", "backward"),
     ("  optimizer step", "torch/optim/optimizer.py", "wrapper"),
     ("agreement pass (non-SMD)", "smd_cli/stages/train.py", "measured_agreement"),
-    ("weights check", "smd_cli/stages/train_state.py", "check_weights"),
-    ("final save", "smd_cli/checkpoint.py", "save_final"),
+    ("weights check", "smd_cli/runs/train_state.py", "check_weights"),
+    ("final save", "smd_cli/runtime/checkpoint.py", "save_final"),
 ]
 
 
@@ -45,8 +45,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from smd_cli import evaluation, rollout
     from smd_cli.cli import main as smd
+    from smd_cli.evaluation import batch as evaluation
+    from smd_cli.rollout import sampler as rollout
 
     split = {"prefill": 0.0, "decode": 0.0, "generate": 0.0}
     forward, evaluate, generate, evaluating = rollout._Run.forward, evaluation.evaluate, rollout.generate, []

@@ -88,7 +88,7 @@ def run_dir_problem(path: Path) -> str | None:
 def owner_problem(path: Path, verb: str) -> str | None:
     """Why `path` cannot take a run of `smd VERB`: it holds another stage's run (its provenance.json names that stage, or
     its argv does), whose summary.json, config.json, provenance.json and .hydra/ this one would replace."""
-    from smd_cli.records import Damaged, read_object
+    from smd_cli.runtime.records import Damaged, read_object
 
     try:
         provenance = read_object(path / "provenance.json", missing_ok=True)
@@ -109,7 +109,7 @@ def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = No
     it with a traceback (or write its .hydra/ there). Without one, the default's `runs/` (`multirun/`) under the
     current directory is checked. A named DIR that holds another stage's run (`owner_problem`) or a link where a file
     is written (`integrity.links_problem`) is refused too."""
-    from smd_cli.stages.preflight import interpolation_problem, value_of
+    from smd_cli.runs.preflight import interpolation_problem, value_of
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [a for a in args if a.startswith(f"{key}=")]
@@ -121,7 +121,7 @@ def check_run_dir(args: list[str], multirun: bool = False, verb: str | None = No
     if not problem and fixed.strip():
         problem = run_dir_problem(Path(fixed) if "${" not in value or fixed.endswith("/") else Path(fixed).parent)
     if not problem and given and "${" not in value and not multirun and verb is not None:
-        from smd_cli.integrity import links_problem
+        from smd_cli.runtime.integrity import links_problem
 
         problem = owner_problem(Path(value), verb) or links_problem(Path(value))
     if problem:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(argv: list[str] | None = None) -> None:
-    from smd_cli.lifetime import die_with_parent
+    from smd_cli.runtime.lifetime import die_with_parent
 
     die_with_parent()  # started by `smd ablate` / `smd reproduce`: die with it (a no-op otherwise)
     argv = sys.argv[1:] if argv is None else argv
@@ -170,10 +170,10 @@ def _main(argv: list[str] | None = None) -> None:
 
     import hydra
 
-    from smd_cli.integrity import FileTooLarge, Unwritable, WriteFailed, release_all
-    from smd_cli.failures import Interrupted, ParityFailed, TrainingDiverged
-    from smd_cli.records import Damaged
-    from smd_cli.stages.checks import ConfigError
+    from smd_cli.config.checks import ConfigError
+    from smd_cli.runtime.failures import Interrupted, ParityFailed, TrainingDiverged
+    from smd_cli.runtime.integrity import FileTooLarge, Unwritable, WriteFailed, release_all
+    from smd_cli.runtime.records import Damaged
 
     register_recipes()
 
@@ -204,7 +204,7 @@ def _main(argv: list[str] | None = None) -> None:
         finally:
             release_all()
 
-    from smd_cli.stages import preflight
+    from smd_cli.runs import preflight
 
     informational = any(a in ("--help", "-h", "--cfg", "-c", "--info", "--hydra-help") or a.startswith("--cfg") for a in rest)
     multirun = any(a in ("-m", "--multirun") for a in rest)

@@ -28,7 +28,7 @@ def smd(*args) -> int:
 def _release_run_locks():
     """Each test is its own "process" as far as run-directory locks go (the CLI releases them at a stage's end)."""
     yield
-    from smd_cli.integrity import release_all
+    from smd_cli.runtime.integrity import release_all
 
     release_all()
 
@@ -46,7 +46,7 @@ def _absl_logs_to_the_real_stderr():
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
-    from smd_cli.models import build_tiny_tokenizer
+    from smd_cli.model.build import build_tiny_tokenizer
 
     return build_tiny_tokenizer()
 
@@ -54,7 +54,7 @@ def tiny_tokenizer():
 @pytest.fixture
 def tiny_model(tiny_tokenizer):
     """A fresh random tiny Qwen3 (2 layers, 4 heads, 2 KV heads), float32, eval mode."""
-    from smd_cli.models import build_tiny_model
+    from smd_cli.model.build import build_tiny_model
 
     return build_tiny_model(len(tiny_tokenizer), seed=0).eval()
 

@@ -10,12 +10,12 @@ from collections import Counter
 import torch
 from torch.distributed.fsdp._fully_shard import _fsdp_param_group as fsdp_group
 
-from smd_cli import distributed
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer, enable_checkpointing
-from smd_cli.precision import build_optimizer
-from smd_cli.rollout import generate
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer, enable_checkpointing
+from smd_cli.model.precision import build_optimizer
+from smd_cli.rollout.sampler import generate
+from smd_cli.runtime import distributed
 
 GATHERS, REDUCES = Counter(), Counter()
 COUNTING = [False]

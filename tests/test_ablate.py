@@ -14,11 +14,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from smd_cli.cli import sweep_arguments
+from smd_cli.config.checks import ConfigError
+from smd_cli.report.sweep_tables import write_plot
+from smd_cli.runs import sweep
+from smd_cli.runs.sweep import error_message, failure_reason, parse_sweep, sweep_of
 from smd_cli.stages import ablate as stage
-from smd_cli.stages import sweep
-from smd_cli.stages.checks import ConfigError
-from smd_cli.stages.sweep import error_message, failure_reason, parse_sweep, sweep_of
-from smd_cli.sweep_tables import write_plot
 from tests.conftest import smd
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -348,8 +348,8 @@ def test_console_tables_do_not_break_words_at_140_columns(tmp_path, monkeypatch)
 
     from rich.console import Console
 
-    from smd_cli import sweep_tables
-    from smd_cli.stats import aggregate
+    from smd_cli.report import sweep_tables
+    from smd_cli.report.stats import aggregate
 
     metrics = list(OmegaConf.load(CONF / "ablate.yaml").ablate.metrics)  # the defaults every sweep prints
     monkeypatch.setattr(sweep_tables, "console", Console(width=140, record=True, file=io.StringIO()))

@@ -1,5 +1,5 @@
-"""Issue 29: the per-token agreement between the sampler's distribution and the dense policy's (`smd_cli.agreement`),
-and `compression=adaptive` (`smd_cli.adaptive`), which holds its 5th percentile at a target."""
+"""Issue 29: the per-token agreement between the sampler's distribution and the dense policy's (`smd_cli.learner.agreement`),
+and `compression=adaptive` (`smd_cli.rollout.adaptive`), which holds its 5th percentile at a target."""
 
 import importlib.util
 import json
@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from smd_cli import adaptive, agreement
-from smd_cli.sampling import Support
-from smd_cli.scoring import vocab_terms
-
 from conftest import smd
+
+from smd_cli.learner import agreement
+from smd_cli.learner.forward import vocab_terms
+from smd_cli.rollout import adaptive
+from smd_cli.rollout.sampling import Support
 
 
 def by_hand(student_logits, teacher_logits, keep=None) -> list[float]:
@@ -222,8 +222,8 @@ def test_smds_free_agreement_is_the_extra_passes(tiny_model, tiny_tokenizer):
     """SMD's learner step (its shadow view against its dense teacher, at the rollout's weights: lr 0 here) logs the same
     percentiles as the standalone pass the dense-view algorithms take, whole or three rows at a time."""
     from smd_cli.eviction.snapkv import SnapKV
-    from smd_cli.learner import Algorithm, learner_step
-    from smd_cli.rollout import generate
+    from smd_cli.learner.step import Algorithm, learner_step
+    from smd_cli.rollout.sampler import generate
     from smd_cli.tasks.synthetic import NeedleRetrieval
 
     task = NeedleRetrieval(prompt_tokens=48)

@@ -1,4 +1,4 @@
-"""The allow-list of decoder families (`smd_cli.models.REPLAYED`) holds: each family on it, built from a tiny random
+"""The allow-list of decoder families (`smd_cli.model.build.REPLAYED`) holds: each family on it, built from a tiny random
 config (1 layer, 64 wide, GQA 4/2, every embedding, residual, attention and logit multiplier moved off its default),
 gives the sampler's log-probs when its evicting rollout is replayed by the learner (one `learner_step` at lr 0, the
 protocol of `smd check-parity`), and each family known to break it (`NOT_REPLAYED`) misses them and is refused by
@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
-from smd_cli import models
-from smd_cli.attention import use_smd_attention
+from smd_cli.attention.dispatch import use_smd_attention
+from smd_cli.checks.parity import Settings, learner_at_lr_zero
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.parity import Settings, learner_at_lr_zero
-from smd_cli.rollout import generate
+from smd_cli.model import build as models
+from smd_cli.rollout.sampler import generate
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
              max_position_embeddings=256, tie_word_embeddings=True)
@@ -58,7 +58,7 @@ def test_every_family_on_the_list_replays_its_sampler(tiny_tokenizer):
         parity = replay_parity(model, tiny_tokenizer)
         if not parity <= 1e-5:  # DESIGN.md contract 1 (measured: 0 to 9.5e-7 for every family)
             missed[model_type] = parity
-    assert not missed, f"families on smd_cli.models.REPLAYED whose learner misses the sampler: {missed}"
+    assert not missed, f"families on smd_cli.model.build.REPLAYED whose learner misses the sampler: {missed}"
 
 
 @pytest.mark.parametrize("model_type", sorted(models.NOT_REPLAYED))

@@ -14,12 +14,21 @@ import json
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
+from smd_cli.config.checks import ConfigError
+from smd_cli.config.factories import build_task
+from smd_cli.runs.model_loading import load_model
 from smd_cli.stages import evaluate, rollout, train
-from smd_cli.stages.checks import ConfigError
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_model
 from tests.conftest import ROOT
 
 CONF = ROOT / "conf"

@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import main
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.failures import ParityFailed
+from smd_cli.runtime.failures import ParityFailed
 from smd_cli.stages import check_parity as stage
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -10,14 +10,15 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from smd_cli import checkpoint as ckpt
-from smd_cli import integrity, learner
-from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.failures import Interrupted, TrainingDiverged
-from smd_cli.io import read_jsonl
+from smd_cli.config.checks import ConfigError
+from smd_cli.corrections import sparse_rl as sparse_rl_correction
+from smd_cli.learner import step as learner
+from smd_cli.runtime import checkpoint as ckpt
+from smd_cli.runtime import integrity
+from smd_cli.runtime.failures import Interrupted, TrainingDiverged
+from smd_cli.runtime.records import read_jsonl
 from smd_cli.stages import train
-from smd_cli.stages.checks import ConfigError
 from smd_cli.stages.evaluate import checkpoint_dir
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",
@@ -42,7 +43,7 @@ def reproducible(run_dir) -> list[dict]:
 
 
 def tiny_setup(seed=0):
-    from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+    from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
 
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(len(tokenizer), seed=seed)

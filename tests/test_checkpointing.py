@@ -7,11 +7,11 @@ import copy
 import pytest
 import torch
 
-from smd_cli import attention
+from smd_cli.attention import dispatch as attention
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import ALGORITHMS, Algorithm, learner_step
-from smd_cli.models import build_tiny_model, enable_checkpointing
-from smd_cli.rollout import generate
+from smd_cli.learner.step import ALGORITHMS, Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model, enable_checkpointing
+from smd_cli.rollout.sampler import generate
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.0, 0.5, -2.0])

@@ -12,8 +12,8 @@ import subprocess
 import pytest
 import torch
 
-from smd_cli import integrity
-from smd_cli.stages import sweep
+from smd_cli.runs import sweep
+from smd_cli.runtime import integrity
 from tests.conftest import smd
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=0", "task.prompt_tokens=48",
@@ -184,7 +184,7 @@ def test_a_damaged_middle_line_of_the_metrics_log_is_named_on_resume(trained, tm
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     (run / "metrics.jsonl").write_text('{"step": 1, "rew\n{"step": 2}\n')
-    monkeypatch.setattr("smd_cli.stages.warm_cache.warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
+    monkeypatch.setattr("smd_cli.runs.warm_cache.warm_start", lambda *a, **k: pytest.fail("the warm start ran"))
     assert smd("train", *TINY, "steps=2", "resume=true", f"hydra.run.dir={run}", f"cache_dir={cache}") == 2
     assert said(capsys) == (f"config error: resume=True: {run / 'metrics.jsonl'}:1: not valid JSON (Unterminated string "
                             "starting at); only a torn last line (a write cut short by a kill) is dropped on its own: restore the "

@@ -6,7 +6,8 @@ known key). Each runs `smd` in this process, as a user would; none runs a model.
 
 import pytest
 
-from smd_cli.stages import check_parity, sweep, train
+from smd_cli.runs import sweep
+from smd_cli.stages import check_parity, train
 from tests.conftest import smd
 
 

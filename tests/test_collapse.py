@@ -1,4 +1,4 @@
-"""A collapsed policy never reads "completed" and a healthy one never reads "collapsed" (`smd_cli.collapse`): the
+"""A collapsed policy never reads "completed" and a healthy one never reads "collapsed" (`smd_cli.checks.collapse`): the
 rule on logged rows (the issues' runs among them), and through `smd train`: a policy that collapses onto wrong answers stops with status "collapsed",
 its reason, and the last checkpoint from before the collapse (kept through rotation, found again on resume); a
 dead network (lr=1e6) likewise; a policy that converged (every sample earns the full reward, so its advantages
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from smd_cli import collapse
-from smd_cli.io import read_jsonl
+from smd_cli.checks import collapse
+from smd_cli.runtime.records import read_jsonl
 from smd_cli.stages import train
 from tests.conftest import smd
 
@@ -252,7 +252,7 @@ def test_non_finite_weights_after_a_step_stop_the_run_as_diverged():
     """The guard's weight check, one NaN or one infinity in any tensor (and none in a finite model)."""
     import torch
 
-    from smd_cli.stages.train_state import CollapseGuard, TrainingDiverged
+    from smd_cli.runs.train_state import CollapseGuard, TrainingDiverged
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 3))
     guard = CollapseGuard(window=3)

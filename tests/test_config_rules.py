@@ -1,4 +1,4 @@
-"""Every key of every stage's composed config has a rule (`smd_cli.stages.rules`), and a wrong type or value of any
+"""Every key of every stage's composed config has a rule (`smd_cli.config.rules`), and a wrong type or value of any
 of them is a config error naming it, never a traceback: generated from the configs (every stage, every config
 group option, every recipe), not from a list of keys. A key added to a YAML file without a rule fails here, by name."""
 
@@ -11,8 +11,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from smd_cli.cli import CONF_DIR, RECIPES_DIR, register_recipes
-from smd_cli.stages import ablate, check_parity, evaluate, plan, prepare_data, reproduce, rollout, rules, train
-from smd_cli.stages.checks import ConfigError
+from smd_cli.config import rules
+from smd_cli.config.checks import ConfigError
+from smd_cli.stages import ablate, check_parity, evaluate, plan, prepare_data, reproduce, rollout, train
 
 STAGES = {"train": train, "ablate": ablate, "plan": plan, "eval": evaluate, "rollout": rollout, "check_parity": check_parity,
           "prepare_data": prepare_data, "reproduce": reproduce}
@@ -59,7 +60,7 @@ def test_every_key_of_every_composed_config_has_a_rule_and_accepts_its_default(v
     assert len(variants) == len(STAGES) + len(GROUP_FILES) + len(RECIPES) == 8 + 32 + 18
     seen = settings(variants)
     missing = sorted({key for (stage, key), (rule, *_) in seen.items() if rule is None})
-    assert not missing, f"config keys without a rule in smd_cli/stages/rules.py: {missing}"
+    assert not missing, f"config keys without a rule in smd_cli/config/rules.py: {missing}"
     refused = [(stage, key, value, overrides) for (stage, key), (rule, _, value, overrides) in seen.items() if not rule(value)]
     assert not refused, f"defaults refused by their own rule: {refused}"
     assert len({key for _, key in seen}) >= 170

@@ -1,5 +1,5 @@
 """The rollout corrections beside TIS and Sparse-RL (MIS, IcePop, Trust Region Masking) against hand computations:
-the pure functions of `smd_cli.losses`, then through `learner_step` (the loss it minimises and what it reports as
+the pure functions of `smd_cli.learner.losses`, then through `learner_step` (the loss it minimises and what it reports as
 masked), and the registry: every `conf/algo/*.yaml` composes to the algorithm its name stands for."""
 
 from pathlib import Path
@@ -8,11 +8,14 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from smd_cli.corrections.icepop import icepop_weights
+from smd_cli.corrections.mis import mis_weights
 from smd_cli.corrections.none import NoCorrection
-from smd_cli.learner import ALGORITHMS, Algorithm, learner_step
-from smd_cli.losses import icepop_weights, mis_weights, token_logprobs, trm_keep
-from smd_cli.rollout import generate
-from smd_cli.scoring import response_logits
+from smd_cli.corrections.trm import trm_keep
+from smd_cli.learner.forward import response_logits
+from smd_cli.learner.step import ALGORITHMS, Algorithm, learner_step
+from smd_cli.rollout.sampler import generate
+from smd_cli.rollout.sampling import token_logprobs
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -192,8 +195,8 @@ def test_a_composition_needs_a_known_view_and_distils_only_the_shadow_view():
     (["algo=smd", "sampling.top_k=2.5"], "sampling.top_k=2.5 is not allowed: an integer >= 0"),
 ])
 def test_a_bad_composition_is_a_config_error(tmp_path, overrides, message):
+    from smd_cli.config.checks import ConfigError
     from smd_cli.stages import train
-    from smd_cli.stages.checks import ConfigError
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"+run_dir={tmp_path}", f"cache_dir={tmp_path / 'cache'}"])

@@ -1,6 +1,6 @@
 """CUDA's SDPA, imitated on the CPU: the memory-efficient kernel (what a boolean mask selects on CUDA) returns its
 output as a transposed [B, M, H, D] buffer, not [B, H, M, D]; other kernels and strided inputs give other layouts.
-The SDPA of `smd_cli.kernels` is wrapped to return the very same values in such layouts, and every path that
+The SDPA of `smd_cli.attention.kernels` is wrapped to return the very same values in such layouts, and every path that
 runs attention goes through it: decode steps (dense and evicting), the shadow replay, SMD's dense teacher rows,
 the physical learner, and a whole learner step with its backward. Each must give exactly what it gives with the
 CPU's contiguous output (before the fix, `kernels.grouped` raised `view size is not compatible` with GQA)."""
@@ -8,13 +8,13 @@ CPU's contiguous output (before the fix, `kernels.grouped` raised `view size is 
 import pytest
 import torch
 
-from smd_cli import kernels
+from smd_cli.attention import kernels
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.physical import physical_response_logits
-from smd_cli.rollout import generate
-from smd_cli.scoring import response_logits, shadow_and_teacher_hidden
+from smd_cli.learner.forward import response_logits, shadow_and_teacher_hidden
+from smd_cli.learner.physical import physical_response_logits
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.rollout.sampler import generate
 
 SDPA = torch.nn.functional.scaled_dot_product_attention
 
@@ -70,7 +70,7 @@ def rollout(model, tokenizer, policy):
 @pytest.fixture(scope="module")
 def reference(tiny_tokenizer):
     """Everything computed with the CPU's own contiguous SDPA output."""
-    from smd_cli.models import build_tiny_model
+    from smd_cli.model.build import build_tiny_model
 
     model = build_tiny_model(len(tiny_tokenizer), seed=2).eval()
     out = {}
@@ -114,7 +114,7 @@ def test_decode_replay_teacher_and_physical_learner_under_cuda_layouts(reference
 
 @pytest.mark.parametrize("name", ["naive_sparse", "smd"])
 def test_a_learner_step_and_its_backward_under_cuda_layouts(reference, tiny_tokenizer, cuda_layout, name):
-    from smd_cli.models import build_tiny_model
+    from smd_cli.model.build import build_tiny_model
 
     _, batches = reference
     batch = batches["snapkv"]

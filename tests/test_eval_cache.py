@@ -1,4 +1,4 @@
-"""The evaluations before training, computed once (`smd_cli/eval_cache.py`, `eval.reuse_before`): a second run of the
+"""The evaluations before training, computed once (`smd_cli/evaluation/cache.py`, `eval.reuse_before`): a second run of the
 same starting weights reads the first run's numbers, which equal what it computes with the cache off; anything the
 evaluation reads changes the key."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli import eval_cache, records
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.models import build_tiny_model
+from smd_cli.evaluation import cache as eval_cache
+from smd_cli.model.build import build_tiny_model
+from smd_cli.runtime import records
 from smd_cli.stages import train
 
 TINY_RUN = ["steps=1", "grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=8", "task.prompt_tokens=48",

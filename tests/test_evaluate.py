@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from smd_cli.evaluation import evaluate
+from smd_cli.evaluation.batch import evaluate
 from smd_cli.tasks.gsm8k import GSM8K
 
 QUESTIONS = ["What is 2 + 2?", "A farmer has 12 cows and buys 30 more cows at the market. How many cows now?",
@@ -58,7 +58,7 @@ def test_evaluate_rejects_bad_input(tiny_model, tiny_tokenizer, gsm8k_examples):
 
 
 def test_kept_through_counts_never_evicted_keys_by_hand():
-    from smd_cli.shadow import kept_through
+    from smd_cli.attention.shadow import kept_through
 
     T = 6
     evict_at = torch.full((2, 2, 2, T), T, dtype=torch.int32)  # [B, L, Hkv, T]: nothing evicted

@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from smd_cli.eviction.base import EvictionPolicy, PrefillView
+from smd_cli.attention.policy import EvictionPolicy, PrefillView
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.knorm import KNorm
 from smd_cli.eviction.snapkv import SnapKV

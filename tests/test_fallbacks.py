@@ -11,10 +11,11 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from smd_cli import cuda_graphs, rollout
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.models import build_tiny_model
-from smd_cli.rollout import generate
+from smd_cli.model.build import build_tiny_model
+from smd_cli.rollout import cuda_graphs
+from smd_cli.rollout import sampler as rollout
+from smd_cli.rollout.sampler import generate
 
 
 class _Stream:
@@ -65,7 +66,7 @@ def test_adamw8bit_without_bitsandbytes_falls_back_to_adamw_with_one_warning(mon
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
-    from smd_cli.stages.factories import optimizer_factory
+    from smd_cli.config.factories import optimizer_factory
 
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` raises ModuleNotFoundError
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
@@ -86,8 +87,8 @@ def test_training_with_the_flex_replay_on_the_cpu_is_refused_at_once():
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
+    from smd_cli.config.checks import ConfigError
     from smd_cli.stages import train
-    from smd_cli.stages.checks import ConfigError
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["model.replay=flex", "device=cpu"])

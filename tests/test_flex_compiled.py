@@ -16,12 +16,12 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.exc import InductorError
 
-from smd_cli import shadow
+from smd_cli.attention import shadow
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.models import build_tiny_model
-from smd_cli.rollout import generate
-from smd_cli.scoring import response_logits, shadow_and_teacher_hidden
+from smd_cli.learner.forward import response_logits, shadow_and_teacher_hidden
+from smd_cli.model.build import build_tiny_model
+from smd_cli.rollout.sampler import generate
 
 ROWS = 4
 

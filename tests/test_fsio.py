@@ -1,4 +1,4 @@
-"""One way to write files (`smd_cli.integrity`), through the entry points that write: the real model's weights cache
+"""One way to write files (`smd_cli.runtime.integrity`), through the entry points that write: the real model's weights cache
 (`load_model` with a fake GGUF package whose dequantisation writes a tiny model), the warm-start cache, run
 directories and checkpoints (`smd train`), the shadow masks (`smd rollout`) and sweeps sharing a runs directory
 (`smd ablate`). Each failure is named (`disk full`, `read-only`, `a file, not a folder`, `malformed`), a killed
@@ -22,12 +22,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from safetensors import SafetensorError
 
-from smd_cli import integrity, weights
 from smd_cli.cli import CONF_DIR
-from smd_cli.stages import model_loading, run_dirs
+from smd_cli.config.checks import ConfigError
+from smd_cli.model import weights
+from smd_cli.runs import model_loading, run_dirs, sweep
+from smd_cli.runtime import integrity
 from smd_cli.stages import rollout as rollout_stage
-from smd_cli.stages import sweep
-from smd_cli.stages.checks import ConfigError
 from tests.conftest import smd
 
 ROOT = CONF_DIR.parent
@@ -54,7 +54,7 @@ def gguf(tmp_path, monkeypatch):
     built = []
 
     def dequantise(gguf_path, out):
-        from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+        from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
 
         tokenizer = build_tiny_tokenizer()
         build_tiny_model(len(tokenizer), seed=0).save_pretrained(out)
@@ -160,7 +160,7 @@ def test_a_dequantisation_killed_by_sigkill_leaves_no_temporary_after_the_next_u
         import sys, time
         sys.path.insert(0, {str(tmp_path / 'site')!r})
         from pathlib import Path
-        from smd_cli import weights
+        from smd_cli.model import weights
         def slow(gguf_path, out):
             (out / "model.safetensors").write_bytes(b"x" * 4096)
             print("writing", flush=True)
@@ -317,7 +317,7 @@ def test_a_process_waiting_for_the_weights_says_for_which_pid(tmp_path, gguf, ca
     lock = entry.with_name(f".{entry.name}.lock")
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from smd_cli import integrity
+        from smd_cli.runtime import integrity
         with integrity.exclusive(__import__("pathlib").Path({str(lock)!r})):
             print("holding", flush=True)
             time.sleep(1.5)
@@ -372,7 +372,7 @@ def test_a_stage_summary_with_a_non_finite_number_is_valid_json(tmp_path, monkey
 
 
 def test_json_files_never_hold_bare_nan(tmp_path):
-    from smd_cli.io import MetricsLog, write_json, write_jsonl
+    from smd_cli.runtime.records import MetricsLog, write_json, write_jsonl
 
     write_json(tmp_path / "summary.json", {"eval/reward": float("nan"), "kl": float("inf"), "nested": [float("-inf"), 1.5]})
     write_jsonl(tmp_path / "rows.jsonl", [{"reward": float("nan")}])
@@ -408,7 +408,7 @@ while os.environ.get("LINGER") and not (run.parents[1] / "release").exists():
 def _sweep_command(script: Path, out: Path, runs: Path) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from smd_cli.stages import sweep
+        from smd_cli.runs import sweep
         sweep.member_command = lambda overrides, run_dir: [sys.executable, {str(script)!r}, *overrides, f"hydra.run.dir={{run_dir}}"]
         from smd_cli.cli import main
         main(["ablate", "progress=false", "hydra.run.dir={out}", "ablate.sweep=['lambda=0.1']", "ablate.runs_dir={runs}"])
@@ -459,7 +459,7 @@ def test_two_sweeps_sharing_a_runs_directory_run_a_member_once_and_lose_nothing(
 def test_a_held_lock_is_handed_down_to_a_child_and_to_no_one_else(tmp_path):
     integrity.hold(tmp_path, "sweep")
     env, fds = integrity.handed_down(tmp_path)
-    code = "import sys; from smd_cli import integrity; integrity.hold(sys.argv[1], 'child')"
+    code = "import sys; from smd_cli.runtime import integrity; integrity.hold(sys.argv[1], 'child')"
     child = subprocess.run([sys.executable, "-c", code, str(tmp_path)], env={**os.environ, **env}, pass_fds=fds, capture_output=True,
                            text=True, cwd=ROOT)
     assert child.returncode == 0, child.stderr

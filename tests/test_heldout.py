@@ -1,4 +1,4 @@
-"""Which held-out prompts a run evaluates (`smd_cli.heldout`, `eval.prompts`): each seed its own block of a generated
+"""Which held-out prompts a run evaluates (`smd_cli.evaluation.heldout`, `eval.prompts`): each seed its own block of a generated
 task, an independent sample of a finite split, or (fixed) the same first N for every seed; checked against the indices
 written out by hand, and through `prompts.held_out_examples` as `smd train` calls it."""
 
@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from smd_cli.heldout import DRAWS, LEGACY, draw_of, indices
-from smd_cli.stages.checks import ConfigError
-from smd_cli.stages.prompts import held_out_examples
+from smd_cli.config.checks import ConfigError
+from smd_cli.config.prompts import held_out_examples
+from smd_cli.evaluation.heldout import DRAWS, LEGACY, draw_of, indices
 
 
 def test_each_seed_draws_its_own_prompts():

@@ -4,7 +4,6 @@ naming what the directory lacks or holds (before: tracebacks from the tokenizer 
 
 import json
 
-
 from tests.conftest import smd
 
 LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,

@@ -1,13 +1,14 @@
-"""Imports run one way (STYLE.md): cli -> stages -> library; only cli.py and stages/ see Hydra/OmegaConf;
-stages do not import each other (their shared helpers live in checks.py, console.py, factories.py, prompts.py, model_loading.py,
-warm_cache.py, run_dirs.py, rules.py, planning.py, train_state.py, train_parity.py, train_summary.py and sweep.py)."""
+"""Imports run one way (STYLE.md; the README's layout map): each package of smd_cli imports only packages below it in
+LAYERS; only `cli.py`, `stages/`, `runs/` and `config/` see Hydra/OmegaConf; stages do not import each other."""
 
 import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "smd_cli"
-STAGE_HELPERS = {"checks", "console", "factories", "prompts", "model_loading", "warm_cache", "run_dirs", "rules", "planning",
-                 "train_state", "train_parity", "train_summary", "sweep"}
+# Highest first. A module may import its own package and any package after it in this list, never one before it.
+LAYERS = ["cli", "stages", "runs", "config", "integrations", "report", "checks", "evaluation", "learner", "corrections", "rollout",
+          "eviction", "tasks", "model", "attention", "runtime", "options"]
+HYDRA_SIDE = {"cli", "stages", "runs", "config"}
 
 
 def imports(path: Path) -> set[str]:
@@ -21,20 +22,47 @@ def imports(path: Path) -> set[str]:
     return found
 
 
-def test_library_code_never_sees_hydra_or_the_stages():
-    library = [p for p in PACKAGE.rglob("*.py") if "stages" not in p.parts and p.name != "cli.py"]
-    assert len(library) >= 25
+def layer(path: Path) -> str:
+    return path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+
+
+def modules() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE]
+
+
+def test_every_module_sits_in_a_layer_and_the_top_level_holds_only_the_cli_and_the_options():
+    assert {layer(p) for p in modules()} <= set(LAYERS), {layer(p) for p in modules()} - set(LAYERS)
+    assert sorted(p.name for p in PACKAGE.glob("*.py")) == ["__init__.py", "cli.py", "options.py"]
+    assert all((PACKAGE / name / "__init__.py").is_file() for name in LAYERS if (PACKAGE / name).is_dir())
+
+
+def test_packages_import_only_packages_below_them():
+    wrong = []
+    for path in modules():
+        mine = LAYERS.index(layer(path))
+        for module in imports(path):
+            parts = module.split(".")
+            if parts[0] != "smd_cli" or len(parts) < 2 or parts[1] not in LAYERS:
+                continue
+            if LAYERS.index(parts[1]) < mine:
+                wrong.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def test_library_code_never_sees_hydra():
+    library = [p for p in modules() if layer(p) not in HYDRA_SIDE]
+    assert len(library) >= 60
     for path in library:
-        bad = {m for m in imports(path) if m.split(".")[0] in ("hydra", "omegaconf") or m.startswith("smd_cli.stages") or m == "smd_cli.cli"}
+        bad = {m for m in imports(path) if m.split(".")[0] in ("hydra", "omegaconf")}
         assert not bad, f"{path.relative_to(PACKAGE)} imports {sorted(bad)}"
 
 
-def test_stages_do_not_import_each_other():
+def test_stages_are_entry_points_that_do_not_import_each_other():
     stages = {p.stem for p in (PACKAGE / "stages").glob("*.py")} - {"__init__"}
-    assert {"prepare_data", "rollout", "train", "evaluate", "ablate"} <= stages
-    for name in stages - STAGE_HELPERS:
-        used = {m.split(".")[2] for m in imports(PACKAGE / "stages" / f"{name}.py") if m.startswith("smd_cli.stages.")}
-        assert used <= STAGE_HELPERS, f"stages/{name}.py imports stages {sorted(used - STAGE_HELPERS)}"
+    assert stages == {"prepare_data", "rollout", "check_parity", "train", "evaluate", "ablate", "plan", "reproduce"}
+    for name in stages:
+        used = {m for m in imports(PACKAGE / "stages" / f"{name}.py") if m.startswith("smd_cli.stages.")}
+        assert not used, f"stages/{name}.py imports {sorted(used)}"
 
 
 def test_a_sweep_and_its_launcher_workers_never_import_torch():
@@ -43,7 +71,7 @@ def test_a_sweep_and_its_launcher_workers_never_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, smd_cli.stages.ablate, smd_cli.stages.sweep, smd_cli.sweep_tables, smd_cli.stages.rules;"
+    code = ("import sys, smd_cli.stages.ablate, smd_cli.runs.sweep, smd_cli.report.sweep_tables, smd_cli.config.rules;"
             "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
     assert done.stdout.strip() == "[]"
@@ -51,12 +79,12 @@ def test_a_sweep_and_its_launcher_workers_never_import_torch():
 
 def test_smd_reproduce_starts_without_transformers():
     """`smd reproduce` starts `smd ablate` processes and writes the report: the CLI names the engine's failures
-    (`smd_cli.failures`) without importing the engine, so transformers (seconds at each start) is never loaded."""
+    (`smd_cli.runtime.failures`) without importing the engine, so transformers (seconds at each start) is never loaded."""
     import subprocess
     import sys
 
     code = ("import sys; from smd_cli.cli import main\ntry: main(['reproduce', '--help'])\nexcept SystemExit as done: assert not done.code\n"
-            "import smd_cli.stages.reproduce\nprint('loaded:', [m for m in ('transformers', 'smd_cli.models') if m in sys.modules])")
+            "import smd_cli.stages.reproduce\nprint('loaded:', [m for m in ('transformers', 'smd_cli.model.build') if m in sys.modules])")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "loaded: []"

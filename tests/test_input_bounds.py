@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 import smd_cli.cli  # noqa: F401  (imported before tracing: torch, transformers and the CLI are not what is measured)
 import smd_cli.stages.evaluate  # noqa: F401
 import smd_cli.stages.prepare_data  # noqa: F401
-from smd_cli.models import build_tiny_tokenizer
+from smd_cli.model.build import build_tiny_tokenizer
 from smd_cli.tasks.gsm8k import INSTRUCTION
 from smd_cli.tasks.loading import reach
 from tests.conftest import smd

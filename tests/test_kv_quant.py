@@ -10,10 +10,10 @@ import json
 import pytest
 import torch
 
-from smd_cli import kv_quant
-from smd_cli.cache import EvictingLayer, kv_bytes
+from smd_cli.attention import kv_quant
+from smd_cli.attention.kv_cache import EvictingLayer, kv_bytes
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.rollout import generate
+from smd_cli.rollout.sampler import generate
 from tests.conftest import smd
 
 PARITY = ["model.warmstart.steps=0", "task.prompt_tokens=48", "num_prompts=2", "num_generations=2", "sampling.max_new_tokens=6",
@@ -146,7 +146,7 @@ def test_smd_train_with_an_int8_cache_keeps_parity_within_the_contract(tmp_path,
 def test_the_planner_counts_8_bit_codes_their_scales_and_the_rounding_record_by_hand():
     from dataclasses import replace
 
-    from smd_cli.planner import Arch, Run, plan
+    from smd_cli.checks.planner import Arch, Run, plan
 
     qwen3_4b = Arch(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
     run = Run(arch=qwen3_4b, compute_bytes=2, device="cuda", algo="smd", rows=64, micro_batch=4, rollout_rows=16,
@@ -201,7 +201,7 @@ def test_smd_eval_with_an_int8_cache_holds_the_codes_bytes(tmp_path):
 
 
 def test_chunks_concatenated_keep_each_rows_rounding_record_at_its_columns(tiny_model, tiny_tokenizer):
-    from smd_cli.rollout import concat_rollouts
+    from smd_cli.rollout.sampler import concat_rollouts
 
     chunks = [generate(tiny_model, prompts, policy=SnapKV(compression=0.5, sink=1, window=2), max_new_tokens=4,
                        generator=torch.Generator().manual_seed(0), eos_token_id=tiny_tokenizer.eos_token_id,

@@ -11,13 +11,13 @@ import math
 import pytest
 import torch
 
-from smd_cli import learner
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.failures import TrainingDiverged
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.rollout import generate
-from smd_cli.losses import token_logprobs
-from smd_cli.scoring import response_logits
+from smd_cli.learner import step as learner
+from smd_cli.learner.forward import response_logits
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.rollout.sampler import generate
+from smd_cli.rollout.sampling import token_logprobs
+from smd_cli.runtime.failures import TrainingDiverged
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.0, 0.5, -2.0])  # [N]: 2 prompts x 4 generations
@@ -185,7 +185,7 @@ def test_smd_teacher_is_a_constant(tiny_model, tiny_tokenizer, monkeypatch):
 def test_the_response_row_teacher_equals_a_full_dense_forward(tiny_model, tiny_tokenizer):
     """The teacher runs only the response rows on the replay's prompt keys and values: the same hidden
     states as a dense forward over the whole sequence (left padding and rows ended early included)."""
-    from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden
+    from smd_cli.learner.forward import response_hidden, shadow_and_teacher_hidden
 
     batch = rollout(tiny_model, tiny_tokenizer, SnapKV(compression=0.5))
     args = (batch.input_ids, batch.attention_mask, batch.prompt_length)

@@ -19,11 +19,20 @@ import sys
 import textwrap
 
 import pytest
-from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+from transformers import (
+    CONFIG_MAPPING,
+    AutoModelForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
+    PhimoeConfig,
+    PhimoeForCausalLM,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers import MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM, PhimoeConfig, PhimoeForCausalLM
 
-from smd_cli import learner, models
+from smd_cli.learner import step as learner
+from smd_cli.model import build as models
 from tests.conftest import smd
 from tests.test_architectures import save_tiny
 
@@ -90,7 +99,7 @@ def test_gradient_checkpointing_still_recomputes_with_every_module_in_eval_mode(
     attention runs twice as often in a step), while every module inside runs in eval mode."""
     import torch
 
-    from smd_cli.rollout import generate
+    from smd_cli.rollout.sampler import generate
 
     batch = generate(tiny_model, [tiny_tokenizer.encode(" f1 f2 k3 v4 QUERY k3 ANSWER")] * 2, max_new_tokens=3, temperature=1.0,
                      eos_token_id=tiny_tokenizer.eos_token_id, pad_token_id=tiny_tokenizer.pad_token_id)

@@ -5,7 +5,9 @@ import math
 import pytest
 import torch
 
-from smd_cli.losses import aggregate, clipped_surrogate, group_advantages, k3_kl, sparse_rl_weights, tis_weights
+from smd_cli.corrections.sparse_rl import sparse_rl_weights
+from smd_cli.corrections.tis import tis_weights
+from smd_cli.learner.losses import aggregate, clipped_surrogate, group_advantages, k3_kl
 
 
 def test_group_advantages_by_hand():

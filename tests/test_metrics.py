@@ -2,8 +2,8 @@
 
 import pytest
 
-from smd_cli import metrics
-from smd_cli.metrics import (
+from smd_cli.tasks import metrics
+from smd_cli.tasks.metrics import (
     canonical_number,
     extract_gsm8k_answer,
     gsm8k_accuracy,
@@ -96,7 +96,7 @@ def test_metrics_declare_direction():
 
 def test_gsm8k_math_verify_option():
     pytest.importorskip("math_verify")
-    from smd_cli.metrics import gsm8k_accuracy_math_verify
+    from smd_cli.tasks.metrics import gsm8k_accuracy_math_verify
 
     assert gsm8k_accuracy_math_verify("so \\boxed{1,080}", "#### 1,080") == 1.0
     assert gsm8k_accuracy_math_verify("The answer is $18.", "#### 18") == 1.0

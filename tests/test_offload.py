@@ -12,16 +12,16 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 from safetensors.torch import load_file
 
+from smd_cli.checks.planner import Arch, Run, plan
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.models import build_tiny_model
-from smd_cli.offload import Offload, offloaded
-from smd_cli.planner import Arch, Run, plan
-from smd_cli.precision import MasterWeights, build_optimizer
-from smd_cli.rollout import generate
+from smd_cli.config.checks import ConfigError
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model
+from smd_cli.model.precision import MasterWeights, build_optimizer
+from smd_cli.rollout.sampler import generate
+from smd_cli.runtime.offload import Offload, offloaded
 from smd_cli.stages import plan as plan_stage
 from smd_cli.stages import train
-from smd_cli.stages.checks import ConfigError
 
 TINY_RUN = ["steps=2", "grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=4", "task.prompt_tokens=48",
             "model.warmstart.steps=5", "progress=false"]

@@ -1,4 +1,4 @@
-"""Children die with their parent (`smd_cli.lifetime`): `kill -9` of `smd ablate` (or of `smd reproduce` above it)
+"""Children die with their parent (`smd_cli.runtime.lifetime`): `kill -9` of `smd ablate` (or of `smd reproduce` above it)
 leaves no process of the sweep alive, so that the sweep started again is not refused by an orphan holding a run
 directory's lock. Linux only (a parent-death signal)."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from smd_cli import integrity
+from smd_cli.runtime import integrity
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +61,8 @@ def wait_for(condition, timeout: float, what: str):
 
 def test_a_child_started_with_child_env_dies_with_its_parent():
     parent = subprocess.Popen([sys.executable, "-c", (
-        "import subprocess, sys, time; from smd_cli import lifetime\n"
-        "subprocess.Popen([sys.executable, '-c', 'from smd_cli.lifetime import die_with_parent; die_with_parent(); "
+        "import subprocess, sys, time; from smd_cli.runtime import lifetime\n"
+        "subprocess.Popen([sys.executable, '-c', 'from smd_cli.runtime.lifetime import die_with_parent; die_with_parent(); "
         "import time; time.sleep(120)'], env=lifetime.child_env())\n"
         "time.sleep(120)")], cwd=ROOT)
     try:
@@ -106,11 +106,11 @@ def test_kill_9_of_a_parallel_sweep_leaves_nothing_running_and_a_restart_is_not_
 
 
 def test_a_script_run_through_lifetime_imports_its_neighbours(tmp_path):
-    """`python -m smd_cli.lifetime bench/X.py` puts the script's folder first on sys.path, as `python bench/X.py` does
+    """`python -m smd_cli.runtime.lifetime bench/X.py` puts the script's folder first on sys.path, as `python bench/X.py` does
     (`smd reproduce` runs bench/step_overhead.py so, which imports bench/decode_speed.py)."""
     (tmp_path / "neighbour.py").write_text("VALUE = 41\n")
     (tmp_path / "script.py").write_text("import sys\nfrom neighbour import VALUE\nprint(VALUE + int(sys.argv[1]))\n")
-    done = subprocess.run([sys.executable, "-m", "smd_cli.lifetime", str(tmp_path / "script.py"), "1"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "smd_cli.runtime.lifetime", str(tmp_path / "script.py"), "1"], capture_output=True, text=True,
                           cwd=ROOT, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "42"

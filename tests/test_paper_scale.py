@@ -9,12 +9,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli.attention import ATTENTION
+from smd_cli.attention.dispatch import ATTENTION
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+from smd_cli.config.factories import build_task
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
+from smd_cli.runs.model_loading import load_model
 from smd_cli.stages import train
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_model
 
 ONE_LAYER = ["model=qwen3_4b_random", "model.config.num_hidden_layers=1", "progress=false"]
 SHORT = ["task.prompt_tokens=64", "sampling.max_new_tokens=3"]

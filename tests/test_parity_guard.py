@@ -1,11 +1,11 @@
-"""The parity guard cannot be talked into a mask error (`smd_cli.stages.train_parity`, issue 40), through `smd train`.
+"""The parity guard cannot be talked into a mask error (`smd_cli.runs.guard`, issue 40), through `smd train`.
 
 A miss (the learner's first pass beyond the bound) is judged by a float64 replay of the very rollout that missed, at
 the very weights that missed it (before the step's update); the bound is never raised, so a second, smaller miss is
 judged again on its own batch; the guard's record survives a resume. The learner's misses are put in by a stand-in for
 the learner's mismatch statistics (`misses`) and, where the verdict is set by the test, a stand-in float64 replay
 (`replays`), which records the batch and weights it was handed. And the replay itself: the model in float64 one layer
-at a time (`smd_cli.widening`) gives a float64 copy's log-probs exactly, touches none of the model's tensors, and needs
+at a time (`smd_cli.model.widening`) gives a float64 copy's log-probs exactly, touches none of the model's tensors, and needs
 a fraction of the copy's memory."""
 
 from __future__ import annotations
@@ -17,11 +17,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from smd_cli import learner, parity, widening
+from smd_cli.checks import parity
+from smd_cli.checks.profiler import live_tensor_peak
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.profiler import live_tensor_peak
-from smd_cli.rollout import generate
-from smd_cli.stages import train, train_parity
+from smd_cli.learner import step as learner
+from smd_cli.model import widening
+from smd_cli.rollout.sampler import generate
+from smd_cli.runs import guard as train_parity
+from smd_cli.stages import train
 from tests.conftest import smd
 from tests.test_architectures import save_tiny
 
@@ -194,8 +197,8 @@ def test_the_planner_counts_the_float64_replay_within_15_percent(size):
     (its vocabulary moment)."""
     import importlib.util
 
-    from smd_cli.models import build_tiny_model
-    from smd_cli.planner import Arch, Run, parity_replay_bytes
+    from smd_cli.checks.planner import Arch, Run, parity_replay_bytes
+    from smd_cli.model.build import build_tiny_model
     from tests.conftest import ROOT
 
     spec = importlib.util.spec_from_file_location("plan_check", ROOT / "bench" / "plan_check.py")

@@ -1,7 +1,7 @@
 """A run's status never contradicts the parity it measured (DESIGN.md contracts 1 and 6), through `smd train`.
 
 Defence (a): a family whose layer-by-layer learner is not its sampler's policy (Granite's embedding and logit
-multipliers, Cohere's logit scale) is refused by name before anything is loaded (`smd_cli.models.REPLAYED`; the
+multipliers, Cohere's logit scale) is refused by name before anything is loaded (`smd_cli.model.build.REPLAYED`; the
 list itself is held by tests/test_architecture_allowlist.py). Defence (b): should such a family get through (here:
 Granite put on the allow-list by the test), `smd train` judges SMD's logged parity every step and stops with status
 `parity_broken`, never `completed`. And `sampling.top_k=1` (every sample of a group the same, no gradient) is
@@ -14,7 +14,7 @@ import json
 import pytest
 from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from smd_cli import models
+from smd_cli.model import build as models
 from tests.conftest import smd
 from tests.test_architectures import save_tiny
 

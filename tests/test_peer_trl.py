@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 from smd_cli.cli import CONF_DIR
-from smd_cli.models import tiny_config
+from smd_cli.model.build import tiny_config
 from smd_cli.stages.train import validate
 
 # loaded by file (bench/ is no package), under the name its `task._target_` uses

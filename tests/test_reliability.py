@@ -14,13 +14,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from smd_cli import checkpoint as ckpt
-from smd_cli import integrity
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.failures import TrainingDiverged
-from smd_cli.io import read_jsonl
-from smd_cli.stages import run_dirs, train, warm_cache
-from smd_cli.stages.checks import ConfigError
+from smd_cli.config.checks import ConfigError
+from smd_cli.runs import run_dirs, warm_cache
+from smd_cli.runtime import checkpoint as ckpt
+from smd_cli.runtime import integrity
+from smd_cli.runtime.failures import TrainingDiverged
+from smd_cli.runtime.records import read_jsonl
+from smd_cli.stages import train
 
 ROOT = CONF_DIR.parent
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=4", "eval.num_prompts=0", "task.prompt_tokens=48",

@@ -13,8 +13,8 @@ import pytest
 
 from smd_cli.report import claims, machinery
 from smd_cli.report.data import Sweep
+from smd_cli.report.stats import CEILING, FAILS, HOLDS, INCONCLUSIVE, Sequential, t_quantile
 from smd_cli.report.write import write_report
-from smd_cli.stats import CEILING, FAILS, HOLDS, INCONCLUSIVE, Sequential, t_quantile
 from tests.test_reproduce import FAKE_CONFIG, fake_sweep
 
 # per seed: held-out reward under eviction (multiples of 1/16: 16 passkey prompts); with a dense cache every run answers all

@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.report import budget, claims, machinery
 from smd_cli.report.data import Sweep
+from smd_cli.report.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential
 from smd_cli.report.write import write_report
-from smd_cli.stages.sweep import distinct, plan
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential
+from smd_cli.runs.sweep import distinct, plan
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def test_quick_reproduce_end_to_end(tmp_path):
 
 TABLE_KEYS = {"main_table": {"task": ["vote"], "algo": ["dense", "naive_sparse", "tis", "smd"]}, "ablate_lambda": {"lambda": ["0", "0.1", "0.8"]}}
 MEANS = {  # (dense cache, under eviction) held-out reward of each cell; every seed adds its warm start's w_s (up to 0.2 + 0.02
-    # of noise: every value stays in a reward's [0, 1], which `smd_cli.records` checks)
+    # of noise: every value stays in a reward's [0, 1], which `smd_cli.runtime.records` checks)
     "dense": (0.70, 0.30), "naive_sparse": (0.70, 0.40), "tis": (0.30, 0.10), "smd": (0.70, 0.70), "0": (0.4, 0.4), "0.1": (0.7, 0.7),
     "0.8": (0.3, 0.3)}
 

@@ -9,18 +9,18 @@ the recorded visibility equals the decoded encoding; KV bytes follow the budget,
 import pytest
 import torch
 
+from smd_cli.attention.shadow import decode_visibility
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.knorm import KNorm
 from smd_cli.eviction.none import KeepAll
 from smd_cli.eviction.random import RandomEviction
 from smd_cli.eviction.recent import Recent
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.models import build_tiny_model
-from smd_cli.physical import physical_response_logits
-from smd_cli.rollout import generate
-from smd_cli.losses import token_logprobs
-from smd_cli.scoring import response_logits
-from smd_cli.shadow import decode_visibility
+from smd_cli.learner.forward import response_logits
+from smd_cli.learner.physical import physical_response_logits
+from smd_cli.model.build import build_tiny_model
+from smd_cli.rollout.sampler import generate
+from smd_cli.rollout.sampling import token_logprobs
 
 BOUND = 1e-5
 R = 10
@@ -243,7 +243,7 @@ def test_progress_bar_runs(model, prompts, capsys):
 def test_rollouts_generated_in_chunks_concatenate_with_parity(model, prompts, name, top_p):
     """Chunks of different prompt widths and response lengths, re-padded: the replay still matches (over the kept
     sets under top-p, each chunk's moved past the ones before)."""
-    from smd_cli.rollout import concat_rollouts
+    from smd_cli.rollout.sampler import concat_rollouts
 
     chunks = [
         generate(model, part, policy=POLICIES[name](), max_new_tokens=n, temperature=1.0, top_p=top_p,
@@ -327,7 +327,7 @@ def test_periodic_host_checks_change_nothing_returned(small_vocab_model, name, t
 def test_draw_inverts_the_cdf_by_hand():
     """`draw` picks the smallest k with u * sum(p) < p_0 + ... + p_k: checked against a loop over the tokens,
     zero-probability tokens (as top-p leaves them) never drawn, u close to 1 included."""
-    from smd_cli.rollout import draw
+    from smd_cli.rollout.sampler import draw
 
     for trial in range(20):
         generator = torch.Generator().manual_seed(trial)
@@ -347,7 +347,7 @@ def test_draw_inverts_the_cdf_by_hand():
 
 def test_draw_frequencies_match_the_probabilities():
     """Over 200,000 uniforms, each token is drawn with its probability (within 4 standard errors)."""
-    from smd_cli.rollout import draw
+    from smd_cli.rollout.sampler import draw
 
     probs = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
     n = 200_000
@@ -362,7 +362,7 @@ def test_draw_gives_each_token_its_probability_at_the_papers_vocabulary():
     on `draw` itself: the uniforms that draw token k form an interval, whose ends are found by bisection. With the
     CDF summed in float32 they were off by up to 0.6 %; and the rollout's uniforms resolve finer than float32's
     2^-24 grid, which alone is 0.6 % of a probability of 1e-5."""
-    from smd_cli.rollout import draw, sampling_noise
+    from smd_cli.rollout.sampler import draw, sampling_noise
 
     vocab = 151936
     probs = torch.softmax(torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 2.5, dim=-1)  # float32, as sampled
@@ -385,7 +385,7 @@ def test_draw_gives_each_token_its_probability_at_the_papers_vocabulary():
 def test_rows_sample_the_same_whatever_rows_beside_them(model, prompts):
     """A row's draws come from its own row of `noise`: the rows decoded in two chunks, each with its rows of one
     noise tensor, give the tokens of one batch (the property data-parallel rollouts rely on)."""
-    from smd_cli.rollout import sampling_noise
+    from smd_cli.rollout.sampler import sampling_noise
 
     noise = sampling_noise(len(prompts), 6, torch.Generator().manual_seed(4))
     kwargs = dict(policy=SnapKV(0.5, sink=2, window=6), max_new_tokens=6, eos_token_id=-1, pad_token_id=0, temperature=1.0)
@@ -463,7 +463,7 @@ def test_a_repeated_prompt_is_prefilled_once_and_changes_nothing(model, prompts,
     """GRPO's G samples of a prompt: its prefill runs once (the policy still scores every row, so a random one draws
     per row) and the rollout equals one that prefills every row; the learner computes each prompt once too, and
     both its replay and the physical learner give the sampler's log-probs."""
-    from smd_cli import rollout as module
+    from smd_cli.rollout import sampler as module
 
     repeated = [p for p in prompts[:3] for _ in range(3)]  # 3 prompts x 3 samples, left-padded to 41
 
@@ -527,7 +527,7 @@ def test_smd_rollout_saves_the_kept_sets_that_its_views_score(tmp_path):
 def test_the_cache_goes_by_the_keyword_the_models_forward_takes():
     """transformers renamed `past_key_values` to `cache` (5.2x); 5.17 (a GPU image's) ignores `cache=` and decodes every
     step without its cache. The keyword is read from the model class's own signature."""
-    from smd_cli.attention import cache_argument
+    from smd_cli.attention.dispatch import cache_argument
 
     class Old(torch.nn.Module):
         def forward(self, input_ids=None, past_key_values=None, **kwargs):

@@ -7,8 +7,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
+from smd_cli.config.checks import ConfigError
 from smd_cli.stages import rollout as stage
-from smd_cli.stages.checks import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 KEYS = ["parity/max_abs_diff_shadow", "parity/max_abs_diff_physical", "mismatch/dense_mean_abs_diff", "mismatch/dense_kl_k3",

@@ -1,4 +1,4 @@
-"""Few-row matmuls round as many-row ones (`smd_cli/row_floor.py`), which makes the sampler's decode steps and the
+"""Few-row matmuls round as many-row ones (`smd_cli/model/row_floor.py`), which makes the sampler's decode steps and the
 learner's small groups compute each row as the learner's whole-sequence replay does."""
 
 import copy
@@ -6,8 +6,8 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from smd_cli import row_floor
-from smd_cli.models import WideLogits
+from smd_cli.model import row_floor
+from smd_cli.model.build import WideLogits
 
 
 def test_every_row_count_rounds_as_a_large_batch_does():

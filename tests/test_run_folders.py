@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from smd_cli import integrity
+from smd_cli.runtime import integrity
 from smd_cli.stages import train
-from tests.conftest import ROOT, smd
+from tests.conftest import smd
 
 TINY = ["grpo.prompts_per_step=2", "grpo.num_generations=2", "eval.num_prompts=0", "task.prompt_tokens=48",
         "model.warmstart.steps=5", "progress=false", "checkpoint.every=1"]
@@ -183,7 +183,8 @@ def test_ctrl_c_gives_a_child_the_time_to_say_where_it_stopped(tmp_path, runner)
     import threading
     import time
 
-    from smd_cli.stages import reproduce, sweep
+    from smd_cli.runs import sweep
+    from smd_cli.stages import reproduce
 
     command = [sys.executable, "-c", CHILD, str(tmp_path)]
 
@@ -207,7 +208,7 @@ def test_ctrl_c_gives_a_child_the_time_to_say_where_it_stopped(tmp_path, runner)
 
 
 def test_ctrl_c_of_a_sweep_is_one_line_and_its_summary_says_interrupted(tmp_path, capsys, monkeypatch):
-    from smd_cli.stages import sweep
+    from smd_cli.runs import sweep
 
     monkeypatch.setattr(sweep, "member_command", lambda *a: pytest.fail("no run may start"))
 

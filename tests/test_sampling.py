@@ -10,12 +10,12 @@ import math
 import pytest
 import torch
 
+from smd_cli.evaluation.batch import evaluate
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.evaluation import evaluate
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.rollout import draw, generate, sample
-from smd_cli.sampling import MAX_SUPPORT, Kept, Support, SupportLog, choose, inside, kept_mask, token_logprobs
-from smd_cli.scoring import response_hidden, response_logits, vocab_terms
+from smd_cli.learner.forward import response_hidden, response_logits, vocab_terms
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.rollout.sampler import draw, generate, sample
+from smd_cli.rollout.sampling import MAX_SUPPORT, Kept, Support, SupportLog, choose, inside, kept_mask, token_logprobs
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 PROBS = [0.4, 0.2, 0.2, 0.1, 0.05, 0.05]  # two ties: at 0.2 and at 0.05

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from smd_cli.scoring import chunk_tokens, vocab_terms
+from smd_cli.learner.forward import chunk_tokens, vocab_terms
 
 
 def identity_head(vocab: int) -> torch.nn.Linear:
@@ -73,9 +73,9 @@ def test_a_prompt_its_samples_share_is_computed_once(tiny_tokenizer, policy):
     teacher's, and gradients equal each row's own forward (a batch of one: nothing shared), to float rounding."""
     from smd_cli.eviction.h2o import H2O
     from smd_cli.eviction.snapkv import SnapKV
-    from smd_cli.models import build_tiny_model
-    from smd_cli.rollout import generate
-    from smd_cli.scoring import response_hidden, shadow_and_teacher_hidden
+    from smd_cli.learner.forward import response_hidden, shadow_and_teacher_hidden
+    from smd_cli.model.build import build_tiny_model
+    from smd_cli.rollout.sampler import generate
 
     model = build_tiny_model(len(tiny_tokenizer), seed=0)
     generator = torch.Generator().manual_seed(0)

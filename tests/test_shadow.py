@@ -7,14 +7,14 @@ import torch
 from transformers import AttentionInterface
 from transformers.models.qwen3.modeling_qwen3 import eager_attention_forward
 
+from smd_cli.attention.dispatch import use_smd_attention
+from smd_cli.attention.shadow import decode_visibility, visibility
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.models import build_tiny_model
-from smd_cli.rollout import generate
-from smd_cli.attention import use_smd_attention
-from smd_cli.losses import token_logprobs
-from smd_cli.scoring import response_logits
-from smd_cli.shadow import decode_visibility, visibility
+from smd_cli.learner.forward import response_logits
+from smd_cli.model.build import build_tiny_model
+from smd_cli.rollout.sampler import generate
+from smd_cli.rollout.sampling import token_logprobs
 
 REFERENCE = "test_explicit_mask"
 

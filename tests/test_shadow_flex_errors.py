@@ -14,11 +14,11 @@ import torch
 from torch._inductor.exc import InductorError, LoweringException
 from torch.nn.attention.flex_attention import create_mask
 
-from smd_cli import shadow
+from smd_cli.attention import shadow
 from smd_cli.eviction.snapkv import SnapKV
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.models import build_tiny_model
-from smd_cli.rollout import generate
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.model.build import build_tiny_model
+from smd_cli.rollout.sampler import generate
 
 LAYERS = 3
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])

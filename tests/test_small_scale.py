@@ -13,9 +13,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR, main, register_recipes
+from smd_cli.report.stats import FAILS, HOLDS
+from smd_cli.runs.sweep import distinct, plan
 from smd_cli.stages.reproduce import layout, validate
-from smd_cli.stages.sweep import distinct, plan
-from smd_cli.stats import FAILS, HOLDS
 
 ROOT = Path(__file__).resolve().parents[1]
 

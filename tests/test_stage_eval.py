@@ -13,9 +13,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli.models import build_tiny_model, build_tiny_tokenizer
+from smd_cli.config.checks import ConfigError
+from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
 from smd_cli.stages import evaluate as stage
-from smd_cli.stages.checks import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

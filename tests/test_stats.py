@@ -9,11 +9,33 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.prompts import held_out_examples
-
-from smd_cli.stats import (CEILING, EXACT, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Z, Cell, Measure, Sequential, aggregate, at_least, at_most, cell,
-                           critical, difference, greater, normal_quantile, not_worse, obrien_fleming, sequential, t_cdf, t_quantile)
+from smd_cli.config.factories import build_task
+from smd_cli.config.prompts import held_out_examples
+from smd_cli.report.stats import (
+    CEILING,
+    EXACT,
+    FAILS,
+    FLOOR,
+    HOLDS,
+    INCONCLUSIVE,
+    Cell,
+    Measure,
+    Sequential,
+    Z,
+    aggregate,
+    at_least,
+    at_most,
+    cell,
+    critical,
+    difference,
+    greater,
+    normal_quantile,
+    not_worse,
+    obrien_fleming,
+    sequential,
+    t_cdf,
+    t_quantile,
+)
 
 
 def test_cell_is_the_mean_and_sample_standard_error():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from smd_cli.models import tiny_words
+from smd_cli.model.build import tiny_words
 from smd_cli.tasks.synthetic import MajorityVote, MultiNeedleRetrieval, NeedleRetrieval
 
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from smd_cli.metrics import hotpot_em, hotpot_f1
 from smd_cli.tasks import govreport, gsm8k, hotpotqa, tldr
 from smd_cli.tasks.govreport import GovReport
 from smd_cli.tasks.gsm8k import GSM8K
 from smd_cli.tasks.hotpotqa import HotpotQA
 from smd_cli.tasks.loading import load_rows
+from smd_cli.tasks.metrics import hotpot_em, hotpot_f1
 from smd_cli.tasks.tldr import TLDR
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "task"

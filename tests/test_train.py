@@ -10,11 +10,11 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.losses import group_advantages
-from smd_cli.rollout import generate
+from smd_cli.config.checks import ConfigError
+from smd_cli.learner.losses import group_advantages
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.rollout.sampler import generate
 from smd_cli.stages import train
-from smd_cli.stages.checks import ConfigError
 from smd_cli.tasks.synthetic import NeedleRetrieval
 
 REPO = Path(__file__).resolve().parents[1]  # the repository whose code runs (smd_cli is imported from it)

@@ -12,9 +12,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli import weights
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_model
+from smd_cli.config.factories import build_task
+from smd_cli.model import weights
+from smd_cli.runs.model_loading import load_model
 from tests.conftest import ROOT
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

@@ -12,7 +12,7 @@ import pytest
 
 from smd_cli.report.data import Sweep, WeightsDiffer
 from smd_cli.report.write import write_report
-from smd_cli.stages import sweep
+from smd_cli.runs import sweep
 from tests.conftest import smd
 
 HUB = "HuggingFaceTB/SmolLM2-135M-Instruct (hub: checkpoint dtype)"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from smd_cli import models
-from smd_cli.rollout import generate
-from smd_cli.scoring import response_hidden, vocab_terms
+from smd_cli.learner.forward import response_hidden, vocab_terms
+from smd_cli.model import build as models
+from smd_cli.rollout.sampler import generate
 
 
 def tiny(dtype_name=None):
@@ -82,7 +82,7 @@ def test_a_head_that_is_not_a_linear_layer_is_named():
 
 def test_widened_attention_sums_in_float64_and_returns_the_input_dtype():
     """`kernels.widened`: causal and grouped attention against an eager float64 softmax(q k^T / sqrt(d)) v by hand."""
-    from smd_cli import kernels
+    from smd_cli.attention import kernels
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 9, 16) * 3 for _ in range(3))
@@ -116,9 +116,9 @@ def test_widening_never_narrows_and_is_refused_on_cuda(tmp_path):
     """A float64 copy (the float64 replay) stays float64 under a float32 setting; float64 is a CPU setting."""
     from omegaconf import OmegaConf
 
-    from smd_cli import kernels
-    from smd_cli.stages.checks import ConfigError
-    from smd_cli.stages.model_loading import check_precision, set_precision
+    from smd_cli.attention import kernels
+    from smd_cli.config.checks import ConfigError
+    from smd_cli.runs.model_loading import check_precision, set_precision
 
     model = tiny("float32").double()
     with torch.no_grad():

@@ -1,5 +1,5 @@
-"""The shape every rollout correction has (the eviction policies' shape: a small class, its math a pure function
-in `smd_cli.losses`, named by a YAML file).
+"""The shape every rollout correction has (the eviction policies' shape: a small class beside its math, a pure
+function, named by a YAML file).
 
 A correction sees the learner's pi_old and the sampler's log-probs on the real response tokens and returns,
 per token, a weight on the PPO term and whether the token counts in the loss normaliser. `learner_step`
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from smd_cli.distributed import total
+from smd_cli.runtime.distributed import max_over, mean_over, total
 
 
 class Correction:
@@ -47,3 +47,17 @@ def check_band(low: float, high: float, name: str) -> None:
     """A ratio band [low, high] with 0 <= low < high (`name` for the message)."""
     if not (0.0 <= low < high):
         raise ValueError(f"{name} needs 0 <= low < high, got low={low}, high={high}")
+
+
+def masking_stats(weights: torch.Tensor, masked: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """What a rollout correction did to the batch, under verl's `rollout_corr/` prefix: the fraction of real
+    tokens left without gradient (`masked_token_frac`), of sequences with at least one such token
+    (`masked_seq_frac`, verl's `rollout_rs_seq_masked_fraction`), and the weights over real tokens (masked
+    ones count as 0)."""
+    n_valid = max(total(float(valid.sum())), 1.0)
+    return {
+        "rollout_corr/masked_token_frac": total(float(masked.sum())) / n_valid,
+        "rollout_corr/masked_seq_frac": total(float(masked.any(dim=1).sum())) / max(total(float(valid.shape[0])), 1.0),
+        "rollout_corr/weight_mean": mean_over(weights[valid]),
+        "rollout_corr/weight_max": max(max_over(weights[valid]), 0.0),
+    }

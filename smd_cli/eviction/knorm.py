@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from smd_cli.eviction.base import EvictionPolicy, PrefillView
+from smd_cli.attention.policy import EvictionPolicy, PrefillView
 
 
 class KNorm(EvictionPolicy):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from smd_cli.eviction.base import EvictionPolicy, PrefillView
+from smd_cli.attention.policy import EvictionPolicy, PrefillView
 
 
 class SnapKV(EvictionPolicy):

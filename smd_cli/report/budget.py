@@ -6,7 +6,7 @@ README, "Reproducing the paper"): a run costs `run_s` (start, imports, the model
 `step_s` per GRPO step + `eval_prompt_s` per held-out prompt and evaluation (after training, 2 x 2 evaluations:
 dense cache and under eviction, sampled and greedy; the same again before training, but once for all the runs that
 evaluate the same starting point the same way, `Planned.before`, since `eval.reuse_before` reads the others from
-`smd_cli.eval_cache`); each (task, seed) warm start costs `warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another, and `overhead_s` the rest
+`smd_cli.evaluation.cache`); each (task, seed) warm start costs `warm_step_s` per supervised step, once; the benchmarks `benchmarks_s`, one after another, and `overhead_s` the rest
 (each `smd ablate`'s start and its last run alone on a core, the report). With `jobs` runs at once the runs' total
 divides by `jobs`. Library code: no Hydra.
 """

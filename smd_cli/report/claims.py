@@ -2,15 +2,15 @@
 
 Every verdict is computed here from the sweeps, never typed: two cells (an algorithm on a task, an ablation's
 value) are compared seed by seed (`Sweep.paired`: a seed's runs share their warm start, prompts and sampling)
-and judged by `smd_cli.stats.sequential`, the t test on the paired differences looked at as seeds come in
+and judged by `smd_cli.report.stats.sequential`, the t test on the paired differences looked at as seeds come in
 (`holds` / `does not hold` / `inconclusive`, with the detectable difference when it stays inconclusive at the
 cap). The verdict knows the metric (`measure`): a held-out reward in [0, 1] averaged over the runs' held-out
 prompts (`eval.num_prompts` of each run's config.json), so its standard error is never below what one prompt's
 worth allows, and a comparison whose runs all sit at the reward's ceiling (or floor) says "uninformative
-(ceiling)" instead of a verdict (`smd_cli/stats.py`'s docstring: why). Every seed that ran is in the comparison: a
+(ceiling)" instead of a verdict (`smd_cli/report/stats.py`'s docstring: why). Every seed that ran is in the comparison: a
 failed run (diverged, parity broken, stopped by an error) counts as the reward's worst value, 0, so that an algorithm
 is never flattered by the seeds it lost, and the evidence names it. A verdict is about the task's prompts when every
-run it rests on evaluated its seed's own held-out prompts (`eval.prompts=per_seed`, `smd_cli.heldout`); where any
+run it rests on evaluated its seed's own held-out prompts (`eval.prompts=per_seed`, `smd_cli.evaluation.heldout`); where any
 evaluated the fixed prompts every seed shares (every run recorded before that key), the verdict is about those N
 prompts, and the evidence and `Finding.prompts` say so. A claim is judged twice, once per way of
 evaluating the policies on the held-out split: with a dense KV cache, and under the run's eviction (a dense-trained
@@ -32,9 +32,21 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from smd_cli.heldout import draw_of
+from smd_cli.evaluation.heldout import draw_of
 from smd_cli.report.data import Sweep
-from smd_cli.stats import CEILING, FAILS, FLOOR, HOLDS, INCONCLUSIVE, Cell, Decision, Measure, Sequential, number, sequential
+from smd_cli.report.stats import (
+    CEILING,
+    FAILS,
+    FLOOR,
+    HOLDS,
+    INCONCLUSIVE,
+    Cell,
+    Decision,
+    Measure,
+    Sequential,
+    number,
+    sequential,
+)
 
 MARGIN = 0.05  # "matches" / "robust": not worse by more than 0.05 of the metric (fixed before any run)
 VIEWS = {"dense cache": "eval/reward_after", "under eviction": "eval/evict/reward_after"}
@@ -92,7 +104,7 @@ def _prompts(run_dir: str) -> int | None:
 
 
 def draw(run_dir) -> str:
-    """The held-out draw a run's config.json records (`smd_cli.heldout`: per_seed, or fixed for a run from before the key)."""
+    """The held-out draw a run's config.json records (`smd_cli.evaluation.heldout`: per_seed, or fixed for a run from before the key)."""
     return draw_of(_config(str(run_dir)))
 
 

@@ -12,7 +12,7 @@ collapsed (status "collapsed", `status_reason`) has results like a completed one
 Each run's summary says which weights ran (`model/weights`): `model.source=auto` takes a Hub checkpoint
 when the Hub is reachable or cached and the dequantised GGUF otherwise, so runs of one table can differ by the
 network; `check_weights` refuses to pool or pair such runs (only a swept `model` key may tell them apart).
-Every record is read through `smd_cli.records`: one that is damaged or out of range (a summary's `eval/reward_after=5.0`,
+Every record is read through `smd_cli.runtime.records`: one that is damaged or out of range (a summary's `eval/reward_after=5.0`,
 a bad line of a member's `metrics.jsonl`) stops the report with `records.Damaged` naming it; it is never used.
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from smd_cli import records
-from smd_cli.stats import USABLE, Cell, cell
+from smd_cli.report.stats import USABLE, Cell, cell
+from smd_cli.runtime import records
 
 
 @dataclass
@@ -73,7 +73,7 @@ class Run:
         return ",".join(f"{k}={v}" for k, v in self.values.items())
 
     def steps(self) -> list[dict]:
-        """metrics.jsonl, read once and checked (`smd_cli.records.read_metrics`: a damaged line is `records.Damaged`
+        """metrics.jsonl, read once and checked (`smd_cli.runtime.records.read_metrics`: a damaged line is `records.Damaged`
         naming the file and line, never a column left blank); [] when the run has none."""
         if self._steps is None:
             path = self.dir / "metrics.jsonl"

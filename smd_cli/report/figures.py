@@ -8,7 +8,7 @@ from pathlib import Path
 
 from smd_cli.report.claims import VIEWS
 from smd_cli.report.data import Sweep
-from smd_cli.stats import cell
+from smd_cli.report.stats import cell
 
 COLORS = {"dense": "tab:gray", "naive_sparse": "tab:red", "sparse_rl": "tab:orange", "tis": "tab:purple", "mis": "tab:brown",
           "icepop": "tab:pink", "trm": "tab:olive", "smd": "tab:blue"}
@@ -55,7 +55,7 @@ def _band(ax, runs, key, label, color, log=False):
 
 def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
     """Per algorithm: the sampler's training reward, the learner's mismatch with the sampler, a dense learner's, and the
-    5th percentile of the sampler's per-token agreement with the dense policy (`smd_cli.agreement`; runs that log it)."""
+    5th percentile of the sampler's per-token agreement with the dense policy (`smd_cli.learner.agreement`; runs that log it)."""
     plt = _pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     t = {"task": task} if task else {}

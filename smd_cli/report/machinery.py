@@ -1,5 +1,5 @@
 """The paper's claims on the machinery (what the learner computes, its memory and its time), and the ones this scale
-cannot test, each with its rule: bounds on benchmark ratios and on per-step fractions (`smd_cli.stats`, one look,
+cannot test, each with its rule: bounds on benchmark ratios and on per-step fractions (`smd_cli.report.stats`, one look,
 the t critical value), the shadow replay's parity against the sampler read from the training runs (float32) and
 from `smd check-parity`'s parity.json (every eviction policy, float32 and float64: rounding told from a mask error).
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from smd_cli.report.claims import NOT_MEASURED, Finding
 from smd_cli.report.data import Sweep
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, at_least, at_most, cell
+from smd_cli.report.stats import FAILS, HOLDS, INCONCLUSIVE, Cell, at_least, at_most, cell
 
 PARITY_BOUND = 1e-5  # DESIGN.md contract 1, float32
 

@@ -10,7 +10,7 @@ import math
 
 from smd_cli.report.claims import FIXED, GREATER, MARGIN, NOT_WORSE, PAPER_GSM8K, VIEWS, Finding
 from smd_cli.report.data import Sweep
-from smd_cli.stats import Cell, cell, number
+from smd_cli.report.stats import Cell, cell, number
 
 MAIN_COLUMNS = [  # (header, metric)
     ("held-out, dense cache", "eval/reward_after"), ("held-out, under eviction", "eval/evict/reward_after"),

@@ -10,12 +10,12 @@ import csv
 import time
 from pathlib import Path
 
-from smd_cli import records
-from smd_cli.integrity import atomic_text, write_file
 from smd_cli.report import claims, figures, machinery, tables
 from smd_cli.report.data import Sweep, check_weights
+from smd_cli.report.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential, cell, critical
 from smd_cli.report.tables import MAIN_COLUMNS
-from smd_cli.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential, cell, critical
+from smd_cli.runtime import records
+from smd_cli.runtime.integrity import atomic_text, write_file
 
 ABLATION_COLUMNS = [("held-out, under eviction", "eval/evict/reward_after"), ("held-out, dense cache", "eval/reward_after"),
                     ("greedy, under eviction", "eval/evict/greedy_reward_after"), ("training reward (last 10)", "steps:reward:last10"),
@@ -188,12 +188,12 @@ def _claims_section(r: Report, found: list[claims.Finding], rest: list[claims.Fi
     spend = rule.spend()
     r.text("## The paper's claims, judged from the data",
            "Each verdict is computed from the runs and benchmarks below by the rule beside it (`smd_cli/report/claims.py`, "
-           "`smd_cli/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and sampling "
+           "`smd_cli/report/stats.py`). Two cells are compared seed by seed: a seed's runs share their warm start, prompts and sampling "
            "seed, so d is the mean of the per-seed differences and se its standard error (the spread between warm starts cancels "
            f"out), t = d / se (for 'matches', within the margin {claims.MARGIN}: t = (d + {claims.MARGIN}) / se). The held-out "
            "reward is a mean over N prompts, so se is never taken below what its resolution allows (a per-seed spread of at least "
            f"one prompt's worth 1/N, and sqrt({claims.MARGIN} / N) for 'matches'), and a comparison whose runs all sit at the "
-           "reward's bound says 'uninformative (ceiling)' (or floor): nothing was measured (`smd_cli/stats.py` says why, "
+           "reward's bound says 'uninformative (ceiling)' (or floor): nothing was measured (`smd_cli/report/stats.py` says why, "
            "`tests/test_stats.py` simulates it). Every seed that ran is in the comparison: a failed run counts as the reward's "
            "worst, 0. A verdict is about the task's prompts when each seed evaluated its own held-out prompts; where the runs "
            "evaluated the same fixed prompts for every seed, an arm x prompt interaction is shared by all seeds and no seed "

@@ -6,7 +6,7 @@ key swept there replaces the recipe's values, and a plain `KEY=v` fixes a swept 
 composed before anything runs, so a wrong key or option stops the sweep at once (`config error: ...`, exit 2); what
 needs the model (its architecture, prompts within its positions) each member checks when it starts, so the sweep's
 own process never loads torch or transformers. Members run in `ablate.runs_dir` (default `RUN/runs/`) through
-`hydra/launcher` (`smd_cli.stages.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
+`hydra/launcher` (`smd_cli.runs.sweep`): a sweep started again, or another sweep sharing the runs directory, skips
 the members already finished there, and a finished run of a member's config with the fixed held-out prompts (every run
 recorded before `eval.prompts`) stands for it (`ablate.reuse_fixed_prompts`; its verdicts are about those prompts). A member that fails does not stop the others: the table gives its reason, and
 once all are done the sweep exits with status 1 (`AblationFailed`). Outputs: `ablation.{md,csv,png}` (one row per
@@ -25,16 +25,16 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli import integrity
-from smd_cli.failures import Interrupted
-from smd_cli.io import write_json
-from smd_cli.stats import aggregate
-from smd_cli.stages.checks import ConfigError
-from smd_cli.stages.console import console
-from smd_cli.stages.run_dirs import open_sweep_dir
-from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import Member, distinct, finished, launch, plan, read_json, stand_ins, user_overrides
-from smd_cli.sweep_tables import weights_key, write_means, write_plot, write_table
+from smd_cli.config.checks import ConfigError
+from smd_cli.config.rules import check_config
+from smd_cli.report.stats import aggregate
+from smd_cli.report.sweep_tables import weights_key, write_means, write_plot, write_table
+from smd_cli.runs.console import console
+from smd_cli.runs.run_dirs import open_sweep_dir
+from smd_cli.runs.sweep import Member, distinct, finished, launch, plan, read_json, stand_ins, user_overrides
+from smd_cli.runtime import integrity
+from smd_cli.runtime.failures import Interrupted
+from smd_cli.runtime.records import write_json
 
 
 class AblationFailed(SystemExit):

@@ -1,41 +1,40 @@
-"""`smd check-parity`: the lr = 0 protocol of a sampler/learner pair, per eviction policy (`smd_cli.parity`).
+"""`smd check-parity`: the lr = 0 protocol of a sampler/learner pair, per eviction policy (`smd_cli.checks.parity`).
 
 For each policy (the composed `eviction`, every option of conf/eviction/, or a list), samples `num_prompts` x
 `num_generations` responses with it, then scores them with the learner at the sampler's own weights in each view:
 `learner_step` at learning rate 0 with the shadow replay and with the dense view, the physical-eviction learner,
 and the shadow replay in float64. Writes `parity.json` (the bound, and per policy every view's largest and mean
 |log p_view - log p_sampler| and k3 KL, whether it passed and why not, and the per-token agreement of the sampler's
-distribution with the dense policy's: p5, p50, mean, min, `smd_cli.agreement`) and `summary.json`, prints a table, and
+distribution with the dense policy's: p5, p50, mean, min, `smd_cli.learner.agreement`) and `summary.json`, prints a table, and
 exits 1 (`ParityFailed`) when a view that must equal the sampler misses it by more than `parity.bound`.
 """
 
 from __future__ import annotations
-
 
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.table import Table
 
-from smd_cli import agreement
-from smd_cli.failures import ParityFailed
-from smd_cli.io import write_json
-from smd_cli.parity import JUDGED, Settings, check
-from smd_cli.rollout import generate
-from smd_cli.stages.checks import ROOT, to_dict
-from smd_cli.stages.console import console
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import load_model
-from smd_cli.stages.prompts import encode_prompt, load_examples
-from smd_cli.stages.run_dirs import start_run
-from smd_cli.stages.rules import check_config
+from smd_cli.checks.parity import JUDGED, Settings, check
+from smd_cli.config.checks import ROOT, to_dict
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.config.prompts import encode_prompt, load_examples
+from smd_cli.config.rules import check_config
+from smd_cli.learner import agreement
+from smd_cli.rollout.sampler import generate
+from smd_cli.runs.console import console
+from smd_cli.runs.model_loading import load_model
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runtime.failures import ParityFailed
+from smd_cli.runtime.records import write_json
 
 VIEWS = ("shadow", "physical", "shadow_float64", "dense", "quant_only", "evict_only", "own_rounding")  # the columns; the last three
 # under an 8-bit kv.quant (`parity.mismatch_parts`): the dense mismatch's parts, the replay without the rollout's rounding record
 
 
 def validate(cfg: DictConfig) -> None:
-    """Every key's own rule (`smd_cli.stages.rules`); a policy name is checked when it is built (`policies`)."""
+    """Every key's own rule (`smd_cli.config.rules`); a policy name is checked when it is built (`policies`)."""
     check_config(cfg, "check_parity")
 
 
@@ -96,7 +95,7 @@ def print_table(report: dict, run_dir) -> None:
         table.add_row(name, *(f"{views[v]['max_abs_diff']:.2e}" if v in views else "-" for v in VIEWS), "yes" if r["passed"] else "NO")
     console.print(table)
     agreed = Table(title=f"the sampler's per-token agreement with the dense policy, sum_v min(p, q), at c = {report['compression']:g} "
-                         "(smd_cli/agreement.py)")
+                         "(smd_cli/learner/agreement.py)")
     for column in ("policy", "p5", "p50", "mean", "min"):
         agreed.add_column(column, justify="left" if column == "policy" else "right")
     for name, r in report["policies"].items():

@@ -7,7 +7,7 @@ policy trained with SMD is deployed. `checkpoint` is a `save_pretrained` directo
 used (the tiny model warm-started as in `smd train`). Writes `predictions.jsonl` (one row per example:
 completion, reference, metrics, lengths) and `summary.json` (the primary metric as `metric` with
 `metric_stderr`, every task metric, KV bytes, peak memory, tokens/s); the library half is
-`smd_cli.evaluation.evaluate`.
+`smd_cli.evaluation.batch.evaluate`.
 """
 
 from __future__ import annotations
@@ -20,19 +20,28 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from smd_cli import distributed, integrity, models, weights
-from smd_cli.evaluation import evaluate
+from smd_cli.config.checks import ConfigError, check
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.config.prompts import check_prompts, load_examples
+from smd_cli.config.rules import check_config
+from smd_cli.evaluation.batch import evaluate
 from smd_cli.eviction.none import KeepAll
-from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.checks import ConfigError, check
-from smd_cli.stages.console import console, print_metrics
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import (check_precision, check_replayable, compute_dtype, load_model, load_tokenizer, mark_weights,
-                                          record_weights, set_precision)
-from smd_cli.stages.prompts import check_prompts, load_examples
-from smd_cli.stages.run_dirs import start_run
-from smd_cli.stages.rules import check_config
-
+from smd_cli.model import build as models
+from smd_cli.model import weights
+from smd_cli.runs.console import console, print_metrics
+from smd_cli.runs.model_loading import (
+    check_precision,
+    check_replayable,
+    compute_dtype,
+    load_model,
+    load_tokenizer,
+    mark_weights,
+    record_weights,
+    set_precision,
+)
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runtime import distributed, integrity
+from smd_cli.runtime.records import write_json, write_jsonl
 
 JSON_BYTES = 1 << 20  # a config.json is a few KiB: a larger one is not read
 

@@ -1,7 +1,7 @@
 """`smd plan`: how much memory a `smd train` config needs, phase by phase, before anything runs.
 
 Composes the train config (any override or recipe: `smd plan +recipe=govreport`), reads the model's
-architecture from the config alone (offline), and prints `smd_cli.planner`'s terms and peaks: static
+architecture from the config alone (offline), and prints `smd_cli.checks.planner`'s terms and peaks: static
 (weights, master weights, gradients, optimizer state, reference policy), rollout (KV cache and shadow
 masks, prefill activations, scores, logits) and learner (checkpointed activations, one layer's recompute,
 vocabulary chunk, LM-head gradients). `plan.gpus=N` plans each of N GPUs under torchrun and FSDP2 (its share
@@ -11,7 +11,7 @@ largest `grpo.micro_batch_size` and `sampling.batch_size` that do, and (one GPU)
 decode at once (the largest `sampling.batch_size`) for each KV format of `kv.quant` with the run's eviction and without
 any (`kv_formats`). Writes `plan.json`.
 
-`smd train` plans its own step the same way before it allocates anything (`smd_cli.stages.planning.check_fits`).
+`smd train` plans its own step the same way before it allocates anything (`smd_cli.runs.planning.check_fits`).
 """
 
 from __future__ import annotations
@@ -22,14 +22,15 @@ from dataclasses import replace
 from omegaconf import DictConfig
 from rich.table import Table
 
-from smd_cli import adaptive
-from smd_cli.io import write_json
-from smd_cli.planner import Run, largest_fitting, plan
-from smd_cli.stages.checks import ConfigError, check, check_offload
-from smd_cli.stages.console import console
-from smd_cli.stages.planning import GIB, describe, gib
-from smd_cli.stages.rules import check_config
-from smd_cli.stages.run_dirs import start_run
+from smd_cli.checks.planner import Run, largest_fitting, plan
+from smd_cli.config.checks import ConfigError, check, check_offload
+from smd_cli.config.rules import check_config
+from smd_cli.rollout import adaptive
+from smd_cli.runs.console import console
+from smd_cli.runs.planning import GIB, describe, gib
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runtime.records import write_json
+
 
 def validate(cfg: DictConfig) -> None:
     """Every key's own rule (the train keys it plans, and `plan.*`), then the GPU count against the batch."""

@@ -16,14 +16,14 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from smd_cli.io import write_json, write_jsonl
-from smd_cli.stages.checks import ConfigError, check
-from smd_cli.stages.console import console
-from smd_cli.stages.factories import build_task
-from smd_cli.stages.model_loading import load_tokenizer
-from smd_cli.stages.prompts import load_examples
-from smd_cli.stages.run_dirs import start_run
-from smd_cli.stages.rules import check_config
+from smd_cli.config.checks import ConfigError, check
+from smd_cli.config.factories import build_task
+from smd_cli.config.prompts import load_examples
+from smd_cli.config.rules import check_config
+from smd_cli.runs.console import console
+from smd_cli.runs.model_loading import load_tokenizer
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runtime.records import write_json, write_jsonl
 from smd_cli.tasks.loading import PromptTooLong, length_stats, prompt_records
 
 CHUNK = 256  # examples per progress-bar update

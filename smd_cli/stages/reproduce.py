@@ -6,7 +6,7 @@ one runs directory, so that a run two tables share (SMD at c = 0.5, lambda 0.1, 
 every sweep is composed and what will run is printed (runs per table, shared, already finished), with the cost
 model's prediction (`cost.SCALE`); at the paper scale the stage then stops, naming what is missing, unless a CUDA
 GPU and the Hugging Face Hub (or its local cache) are there. Then the sweeps run one after another, each with
-`jobs` runs at once (Hydra's joblib launcher). Seeds until decided (`sequential.SCALE`, `smd_cli.stats.Sequential`):
+`jobs` runs at once (Hydra's joblib launcher). Seeds until decided (`sequential.SCALE`, `smd_cli.report.stats.Sequential`):
 the claims are judged from the runs there are, and every cell of a claim still undecided gets the seeds of the next
 look, through `smd ablate +recipe=NAME KEY=v ... seed=a,b` (printed as it runs; finished runs are reused), until
 every claim is decided or at its cap. Then `smd check-parity` (every eviction policy, float32 and float64) and the
@@ -37,19 +37,20 @@ from omegaconf import DictConfig, open_dict
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli import lifetime, records
-from smd_cli.failures import Interrupted
-from smd_cli.integrity import write_file
-from smd_cli.io import git_commit, package_versions, write_json
+from smd_cli.config.checks import ROOT, ConfigError, check
+from smd_cli.config.rules import check_config
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
+from smd_cli.report.stats import Sequential
 from smd_cli.report.write import write_report
-from smd_cli.stages.checks import ROOT, ConfigError, check
-from smd_cli.stages.console import console
-from smd_cli.stages.run_dirs import start_run
-from smd_cli.stages.rules import check_config
-from smd_cli.stages.sweep import distinct, finished, plan, stand_ins
-from smd_cli.stats import Sequential
+from smd_cli.runs.console import console
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runs.sweep import distinct, finished, plan, stand_ins
+from smd_cli.runtime import lifetime, records
+from smd_cli.runtime.failures import Interrupted
+from smd_cli.runtime.integrity import write_file
+from smd_cli.runtime.provenance import git_commit, package_versions
+from smd_cli.runtime.records import write_json
 
 HUB = {"paper_model": "Qwen/Qwen3-4B-Instruct-2507",
        "datasets": {"gsm8k": "openai/gsm8k", "tldr": "trl-lib/tldr", "govreport": "ccdv/govreport-summarization",
@@ -193,7 +194,7 @@ INTERRUPT_GRACE = 60.0  # seconds a command interrupted by Ctrl-C has to say whe
 
 
 def run_logged(command: list[str]) -> int:
-    """Run `command` (which dies with this process: `smd_cli.lifetime`), its output streamed; its exit status. On
+    """Run `command` (which dies with this process: `smd_cli.runtime.lifetime`), its output streamed; its exit status. On
     Ctrl-C, which reaches the command too, it is given `INTERRUPT_GRACE` to stop on its own before it is killed."""
     console.print(f"[bold]$ {escape(' '.join(command))}[/bold]", soft_wrap=True, highlight=False)
     proc = subprocess.Popen(command, cwd=ROOT, env=lifetime.child_env())
@@ -334,7 +335,7 @@ def run_benchmarks(cfg: DictConfig, which: str, where: Path) -> dict:
         for i, args in enumerate(arg_lists):
             path = where / f"{name}_{i}.json"
             if not path.is_file():
-                code = run_logged([sys.executable, "-m", "smd_cli.lifetime", str(ROOT / "bench" / f"{name}.py"), *map(str, args),
+                code = run_logged([sys.executable, "-m", "smd_cli.runtime.lifetime", str(ROOT / "bench" / f"{name}.py"), *map(str, args),
                                    "--json", str(path)])
                 if code:
                     console.print(f"[yellow]warning:[/yellow] bench/{name}.py failed (exit {code}): its table is left out")

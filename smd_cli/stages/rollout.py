@@ -5,7 +5,7 @@ task's reward, then scores the same tokens three ways (DESIGN.md section 3; unde
 token sets the rollout recorded): the shadow replay and the physical-eviction learner (both must equal
 the sampler's log-probs) and the dense learner (the mismatch that naive sparse RL trains on), and reports the
 per-token agreement of the sampler's distribution with the dense one (`agreement/p5`, `p50`, `mean`:
-`smd_cli.agreement`). Writes
+`smd_cli.learner.agreement`). Writes
 `rollouts.jsonl` (token ids, log-probs, rewards, text), `shadow_masks.safetensors` (evict_at, the sampling
 support's kept token sets and the batch tensors) and `summary.json`.
 """
@@ -16,22 +16,22 @@ import torch
 from omegaconf import DictConfig
 from safetensors.torch import save_file
 
-from smd_cli import agreement
-from smd_cli.evaluation import evidence_kept
-from smd_cli.integrity import write_file
-from smd_cli.io import write_json, write_jsonl
-from smd_cli.losses import mismatch_stats
-from smd_cli.physical import physical_response_logits
-from smd_cli.rollout import RolloutBatch, generate, response_texts
-from smd_cli.sampling import token_logprobs
-from smd_cli.scoring import response_hidden, vocab_terms
-from smd_cli.shadow import none_evicted
-from smd_cli.stages.console import console, print_metrics
-from smd_cli.stages.factories import build_policy, build_task
-from smd_cli.stages.model_loading import load_model, record_weights
-from smd_cli.stages.prompts import encode_prompt, load_examples
-from smd_cli.stages.run_dirs import start_run
-from smd_cli.stages.rules import check_config
+from smd_cli.attention.shadow import none_evicted
+from smd_cli.config.factories import build_policy, build_task
+from smd_cli.config.prompts import encode_prompt, load_examples
+from smd_cli.config.rules import check_config
+from smd_cli.evaluation.batch import evidence_kept
+from smd_cli.learner import agreement
+from smd_cli.learner.forward import response_hidden, vocab_terms
+from smd_cli.learner.losses import mismatch_stats
+from smd_cli.learner.physical import physical_response_logits
+from smd_cli.rollout.sampler import RolloutBatch, generate, response_texts
+from smd_cli.rollout.sampling import token_logprobs
+from smd_cli.runs.console import console, print_metrics
+from smd_cli.runs.model_loading import load_model, record_weights
+from smd_cli.runs.run_dirs import start_run
+from smd_cli.runtime.integrity import write_file
+from smd_cli.runtime.records import write_json, write_jsonl
 
 
 def validate(cfg: DictConfig) -> None:
@@ -85,7 +85,7 @@ def save_rollouts(run_dir, batch: RolloutBatch, examples, rewards, texts, num_ge
                "response_mask": batch.response_mask, "logprobs": batch.logprobs}
     if batch.evict_at is not None:
         tensors["evict_at"] = batch.evict_at  # [N, L, Hkv, T] int32, DESIGN.md section 2
-    if batch.sampling_support is not None:  # the top-k / top-p kept token sets (smd_cli/sampling.py `Support`):
+    if batch.sampling_support is not None:  # the top-k / top-p kept token sets (smd_cli/rollout/sampling.py `Support`):
         tensors.update(batch.sampling_support.tensors())  # ids [M] int32, start [N, R] int64, count [N, R] int32
     tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     write_file(run_dir / "shadow_masks.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"prompt_length": str(batch.prompt_length)}),

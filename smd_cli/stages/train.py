@@ -3,10 +3,10 @@
 Each step samples `grpo.prompts_per_step` prompts x G generations with the rollout's eviction policy
 (none for algo=dense), scores them with the task's reward, normalises advantages within each group,
 and takes one `learner_step`. Held-out reward is measured before and after training on the task's test split, each seed on
-its own prompts (`eval.prompts`, `smd_cli.heldout`; sampled at the eval temperature, seeded, and greedy). Sampling at step s
+its own prompts (`eval.prompts`, `smd_cli.evaluation.heldout`; sampled at the eval temperature, seeded, and greedy). Sampling at step s
 uses a generator seeded from (seed, s), so a resumed run draws exactly what an uninterrupted one would.
 
-Checkpoints (`smd_cli.checkpoint`) are written every `checkpoint.every` steps and at the end, plus `final/`.
+Checkpoints (`smd_cli.runtime.checkpoint`) are written every `checkpoint.every` steps and at the end, plus `final/`.
 `resume=true` (or `resume=RUN_DIR`) restores weights, optimizer, RNG states and the eviction policy's own
 random state from the run's newest intact checkpoint (verified against its manifest, before any model is
 built) and continues in that run directory; `metrics.jsonl` is cut back to that step, so the remaining rows
@@ -14,7 +14,7 @@ equal an uninterrupted run's. A non-finite loss or gradient, non-finite weights,
 steps without any gradient stop the run (summary status "diverged", the last good checkpoint named); a
 batch left empty by Sparse-RL's rejection is skipped and counted. The run directory is locked for this process.
 
-Under `torchrun` (`smd_cli.distributed`) each rank rolls out its share of the step's prompt groups on gathered
+Under `torchrun` (`smd_cli.runtime.distributed`) each rank rolls out its share of the step's prompt groups on gathered
 weights and the learner is sharded with FSDP2; the update, the logged metrics and the checkpoints are those of
 one process with the same config. Rank 0 alone writes the run directory.
 """
@@ -29,36 +29,48 @@ from omegaconf import DictConfig, OmegaConf
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from smd_cli import adaptive, agreement
-from smd_cli import checkpoint as ckpt
-from smd_cli import distributed, eval_cache, integrity, records
-from smd_cli.evaluation import evaluate, evidence_kept
+from smd_cli.attention.shadow import resolve_backend
+from smd_cli.checks.profiler import PhaseMemory
+from smd_cli.config.checks import ConfigError, check, check_offload, unread_keys_note
+from smd_cli.config.factories import build_correction, build_policy, build_task, optimizer_factory
+from smd_cli.config.prompts import check_prompts, encode_prompt, held_out_examples, load_examples
+from smd_cli.config.rules import check_config
+from smd_cli.evaluation import cache as eval_cache
+from smd_cli.evaluation.batch import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
-from smd_cli.failures import ParityFailed, TrainingDiverged
-from smd_cli.io import MetricsLog, read_jsonl, write_json
-from smd_cli.learner import Algorithm, learner_step
-from smd_cli.losses import group_advantages
-from smd_cli.offload import Offload, offloaded
-from smd_cli.precision import MasterWeights, build_optimizer
-from smd_cli.profiler import PhaseMemory
-from smd_cli.rollout import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
-from smd_cli.shadow import resolve_backend
-from smd_cli.stages.checks import ConfigError, check, check_offload, unread_keys_note
-from smd_cli.stages.console import console
-from smd_cli.stages.factories import build_correction, build_policy, build_task, optimizer_factory
-from smd_cli.stages.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
-from smd_cli.stages.prompts import check_prompts, encode_prompt, held_out_examples, load_examples
-from smd_cli.stages.run_dirs import pick_device, start_run
-from smd_cli.stages.train_state import Whereabouts, stopped  # Ctrl-C and a failed write: one line, a status
-from smd_cli.stages.planning import check_fits
-from smd_cli.stages.rules import check_config
-from smd_cli.stages.train_state import (CollapseGuard, PolicyCollapsed, collapsed, find_resume, resume, save, save_final,
-                                       stop_diverged)
-from smd_cli.stages.train_parity import ParityBroken, ParityGuard
-from smd_cli.stages.train_summary import print_summary, run_statistics
+from smd_cli.learner import agreement
+from smd_cli.learner.losses import group_advantages
+from smd_cli.learner.step import Algorithm, learner_step
+from smd_cli.model.precision import MasterWeights, build_optimizer
+from smd_cli.rollout import adaptive
+from smd_cli.rollout.sampler import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
+from smd_cli.runs.console import console
+from smd_cli.runs.guard import ParityBroken, ParityGuard
+from smd_cli.runs.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
+from smd_cli.runs.planning import check_fits
+from smd_cli.runs.run_dirs import pick_device, start_run
+from smd_cli.runs.train_state import (  # Ctrl-C and a failed write: one line, a status
+    CollapseGuard,
+    PolicyCollapsed,
+    Whereabouts,
+    collapsed,
+    find_resume,
+    resume,
+    save,
+    save_final,
+    stop_diverged,
+    stopped,
+)
+from smd_cli.runs.train_summary import print_summary, run_statistics
+from smd_cli.runtime import checkpoint as ckpt
+from smd_cli.runtime import distributed, integrity, records
+from smd_cli.runtime.failures import ParityFailed, TrainingDiverged
+from smd_cli.runtime.offload import Offload, offloaded
+from smd_cli.runtime.records import MetricsLog, read_jsonl, write_json
+
 
 def validate(cfg: DictConfig) -> None:
-    """Every key's own rule (`smd_cli.stages.rules`), then what depends on several keys or on the machine."""
+    """Every key's own rule (`smd_cli.config.rules`), then what depends on several keys or on the machine."""
     check_config(cfg, "train")
     check_algorithm(cfg)
     if adaptive.problem(cfg):
@@ -74,7 +86,7 @@ def validate(cfg: DictConfig) -> None:
 
 def check_algorithm(cfg: DictConfig) -> None:
     """An algorithm is a composition (conf/algo/*.yaml): its view, whether it distils, its correction (built now,
-    so that a bad value is named before any work). Each key's own rule is in `smd_cli.stages.rules`; here, how
+    so that a bad value is named before any work). Each key's own rule is in `smd_cli.config.rules`; here, how
     they go together."""
     a = cfg.algo
     check(not a.distill or a.view == "shadow", "algo.distill", a.distill,
@@ -100,7 +112,7 @@ def kernels_line(cfg: DictConfig, device: torch.device, policy, optimizer, optim
     """What `smd train` runs, in one line: the shadow replay's kernel, the decode's CUDA graphs, the optimizer and
     optim.offload. A run-time fallback (flex compile, graph capture, 8-bit AdamW import) warns where it happens."""
     replay = {"flex": "flex_attention (compiled)", "sdpa": "SDPA"}[resolve_backend(cfg.model.replay, device)]
-    graphs = device.type == "cuda" and policy is not None and cfg.sampling.get("compile", "auto") is not False  # smd_cli.rollout's rule
+    graphs = device.type == "cuda" and policy is not None and cfg.sampling.get("compile", "auto") is not False  # smd_cli.rollout.sampler's rule
     masters = " over float32 masters" if isinstance(optimizer, MasterWeights) else ""
     moved = "off" if offload is None else f"on ({'pinned ' if offload.pinned else ''}host memory during rollouts)"
     return (f"kernels: attention SDPA (mask-free causal, masked rows with query groups folded), shadow replay {replay}, "
@@ -201,7 +213,7 @@ def held_out(model, tokenizer, task, examples, cfg, when: str) -> dict[str, floa
 
 
 def held_out_before(model, tokenizer, task, examples, cfg) -> tuple[dict[str, float], str | None]:
-    """`held_out(..., "before")`, and where it was read from: the evaluation cache's entry (`smd_cli.eval_cache`) when
+    """`held_out(..., "before")`, and where it was read from: the evaluation cache's entry (`smd_cli.evaluation.cache`) when
     `eval.reuse_before` and an earlier run stored this very evaluation of these weights (the same bytes, prompts,
     settings, code and machine), else None (computed here, then stored). One process only (under torchrun: computed)."""
     if not (examples and cfg.eval.get("reuse_before") and distributed.size() == 1):

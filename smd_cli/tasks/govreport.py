@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from smd_cli.metrics import ROUGE_L, ROUGE_LSUM, rouge
 from smd_cli.tasks.base import Example
 from smd_cli.tasks.datafiles import FieldTypes
 from smd_cli.tasks.loading import HubTask
+from smd_cli.tasks.metrics import ROUGE_L, ROUGE_LSUM, rouge
 
 INSTRUCTION = "Below is a report by a U.S. government agency. Read it and write a one-page summary of it."
 CLOSING = "Now write a one-page summary of the report above."

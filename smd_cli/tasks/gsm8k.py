@@ -1,7 +1,7 @@
 """GSM8K (Cobbe et al. 2021; Hub `openai/gsm8k`, config `main`): grade-school maths, reward = accuracy.
 
 The gold answer is the number after `####` in the solution (commas removed); a completion is scored by
-the same extraction with the `\\boxed{}` and last-number fallbacks (`smd_cli.metrics.gsm8k_accuracy`).
+the same extraction with the `\\boxed{}` and last-number fallbacks (`smd_cli.tasks.metrics.gsm8k_accuracy`).
 The prompt asks for the dataset's own `#### N` final line so the strict extraction applies.
 `math_verify=True` judges completions with Hugging Face's `math-verify` instead (optional extra).
 """
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from smd_cli.metrics import GSM8K_ACCURACY, GSM8K_ACCURACY_MATH_VERIFY, extract_gsm8k_answer
 from smd_cli.tasks.base import Example
 from smd_cli.tasks.datafiles import FieldTypes
 from smd_cli.tasks.loading import HubTask
+from smd_cli.tasks.metrics import GSM8K_ACCURACY, GSM8K_ACCURACY_MATH_VERIFY, extract_gsm8k_answer
 
 INSTRUCTION = (
     "Solve the problem step by step. On the last line, give the final answer as a number in the form "

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from smd_cli.metrics import HOTPOT_EM, HOTPOT_F1
 from smd_cli.tasks.base import Example
 from smd_cli.tasks.datafiles import FieldTypes, check_type, describe
 from smd_cli.tasks.loading import HubTask
+from smd_cli.tasks.metrics import HOTPOT_EM, HOTPOT_F1
 
 INSTRUCTION = "Answer the question using the passages below. Reply with the answer only, in a few words."
 _ANSWER_PREFIX = re.compile(r"^\s*(final answer|answer)\s*[:\-]\s*", re.IGNORECASE)

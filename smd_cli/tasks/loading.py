@@ -18,9 +18,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-from smd_cli.metrics import Metric
 from smd_cli.tasks.base import Example, Task, mean, stderr
-from smd_cli.tasks.datafiles import MAX_FILE_BYTES, MAX_ROW_BYTES, DataFileError, FieldTypes, check_fields, not_a_regular_file, read_rows
+from smd_cli.tasks.datafiles import (
+    MAX_FILE_BYTES,
+    MAX_ROW_BYTES,
+    DataFileError,
+    FieldTypes,
+    check_fields,
+    not_a_regular_file,
+    read_rows,
+)
+from smd_cli.tasks.metrics import Metric
 
 DataFiles = str | Path | Sequence[str | Path] | Mapping[str, Any] | None
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}

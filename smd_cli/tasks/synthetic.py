@@ -13,7 +13,7 @@ With one needle (`NeedleRetrieval`: `NEEDLE v40`, no key) the model only has to 
 multi-token values (`MultiNeedleRetrieval`) it must match the queried key among distractors and copy the
 value in order, so which prompt entries an eviction policy keeps (and in what order it evicts them)
 decides whether the answer is still reachable. Every word is a single token of the tiny tokenizer
-(`smd_cli.models.tiny_words`). The reward is the fraction of value tokens reproduced in place
+(`smd_cli.model.build.tiny_words`). The reward is the fraction of value tokens reproduced in place
 (1.0 = exact answer, extra words count as wrong ones), a dense signal that GRPO can climb.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 
-from smd_cli.models import N_FILLER, N_KEYS, N_VALUES
+from smd_cli.model.build import N_FILLER, N_KEYS, N_VALUES
 from smd_cli.tasks.base import Example, Task
 
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
