@@ -1,4 +1,4 @@
-"""Option names and bounds that the engine and the config rules (`stages/rules.py`) share, in a module without torch:
+"""Option names and bounds that the engine and the config rules (`config/rules.py`) share, in a module without torch:
 the processes that only launch or read runs (`smd ablate` and its launcher's workers) check configs without importing it."""
 
 VIEWS = ("dense", "shadow")  # the attention the learner scores under: full context, or the rollout's shadow mask

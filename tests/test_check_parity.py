@@ -98,3 +98,10 @@ def test_a_tight_bound_fails_as_rounding_not_as_a_mask_error(tmp_path):
 def test_bad_values_are_named(tmp_path, override, message):
     with pytest.raises(Exception, match=message.replace("[", r"\[")):
         stage.run(config(tmp_path, override))
+
+
+def test_a_dtype_without_a_contract_bound_asks_for_one(tmp_path):
+    """`parity.bound: null` is the compute dtype's contract bound (1e-5 in float32, test_check_parity's first test); bf16
+    has none yet, and the stage names it before loading the model."""
+    with pytest.raises(Exception, match=r"parity.bound=null: bfloat16 compute has no contract bound .* set parity.bound="):
+        stage.run(config(tmp_path, "model.cpu_dtype=bfloat16"))

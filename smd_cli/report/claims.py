@@ -45,6 +45,7 @@ from smd_cli.report.stats import (
     Measure,
     Sequential,
     number,
+    plus_minus,
     sequential,
 )
 
@@ -143,7 +144,7 @@ def _difference(dec: Decision, margin: float | None, m: Measure) -> str:
     d = dec.d
     if d.mean is None:
         return "no paired seeds"
-    text = f"paired difference {d.mean:+.3f}" + ("" if d.se is None else f" ± {d.se:.3f}") + f" over {d.n} seeds"
+    text = f"paired difference {plus_minus(d.mean, d.se, signed=True)} over {d.n} seeds"
     if dec.se is not None and dec.se > 1e-9 and dec.verdict not in UNINFORMATIVE:
         if dec.floored:
             text += (f", se floored at {number(dec.se)} (the reward's resolution: one of {round(1 / m.resolution)} held-out prompts"

@@ -14,7 +14,8 @@ COLORS = {"dense": "tab:gray", "naive_sparse": "tab:red", "sparse_rl": "tab:oran
           "icepop": "tab:pink", "trm": "tab:olive", "smd": "tab:blue"}
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot on the Agg backend (files, no display), imported only when a plot is drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -56,7 +57,7 @@ def _band(ax, runs, key, label, color, log=False):
 def training_curves(sweep: Sweep, task: str | None, out: Path) -> Path:
     """Per algorithm: the sampler's training reward, the learner's mismatch with the sampler, a dense learner's, and the
     5th percentile of the sampler's per-token agreement with the dense policy (`smd_cli.learner.agreement`; runs that log it)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     t = {"task": task} if task else {}
     for algo in sweep.values("algo"):
@@ -79,7 +80,7 @@ def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> P
     t = {"task": task} if task else {}
     if not any("evidence/kept_l0" in row for r in sweep.select(**t) if r.ok for row in r.steps()[:1]):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     cols = min(layers, 6)  # a grid, not one row: SmolLM2's 30 layers in a row were 16500 pixels wide
     rows = -(-layers // cols)
     fig, grid = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, sharex=True, sharey=True)
@@ -103,7 +104,7 @@ def evidence_curves(sweep: Sweep, task: str | None, layers: int, out: Path) -> P
 
 def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
     """The held-out metric (both views) against a swept number, one line per algorithm (or one line)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(VIEWS), figsize=(6 * len(VIEWS), 4))
     xs = sweep.values(x_key)
     series = sweep.values("algo") if "algo" in sweep.keys else [None]
@@ -121,7 +122,7 @@ def ablation_lines(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
 
 def ablation_bars(sweep: Sweep, x_key: str, out: Path, name: str) -> Path:
     """The held-out metric (both views) per value of a swept option, grouped bars per algorithm."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(VIEWS), figsize=(6 * len(VIEWS), 4))
     xs, algos = sweep.values(x_key), sweep.values("algo")
     width = 0.8 / max(len(algos), 1)
@@ -146,7 +147,7 @@ def seeds_scatter(sweep: Sweep, task: str | None, out: Path) -> Path | None:
     points = {a: [p for p in ps if all(isinstance(v, (int, float)) for v in p[:2])] for a, ps in points.items()}
     if not any(points.values()):
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for algo, ps in points.items():
         color = COLORS.get(algo)

@@ -114,9 +114,18 @@ class Cell:
     n: int
 
     def __str__(self) -> str:
-        if self.mean is None:
-            return "-"
-        return number(self.mean) + ("" if self.se is None else f" ± {number(self.se)}")
+        return plus_minus(self.mean, self.se)
+
+
+def plus_minus(mean: float | None, se: float | None = None, signed: bool = False) -> str:
+    """The one way a mean and its standard error are written: `0.720 ± 0.012` (`number`'s digits; no se: the mean
+    alone; no mean: `-`); `signed`: a difference of rewards, `+0.300 ± 0.012`, three decimals (the rewards' own
+    resolution: a difference's se of 2e-17 is 0.000)."""
+    if mean is None:
+        return "-"
+    if signed:
+        return f"{mean:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+    return number(mean) + ("" if se is None else f" ± {number(se)}")
 
 
 def number(x: float) -> str:

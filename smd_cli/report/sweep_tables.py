@@ -22,6 +22,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from smd_cli.report.figures import pyplot
+from smd_cli.report.stats import plus_minus
+from smd_cli.report.tables import markdown
 from smd_cli.runtime import records
 from smd_cli.runtime.integrity import atomic_text, write_file
 
@@ -48,20 +51,6 @@ def _caption(metrics: list[str]) -> str:
 
 def _fmt(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else ("-" if v is None else str(v))
-
-
-def _pm(group: dict, metric: str) -> str:
-    mean, se = group.get(metric), group.get(f"{metric} se")
-    return "-" if mean is None else f"{mean:.4g}" + ("" if se is None else f" ± {se:.2g}")
-
-
-def markdown(columns: list[str], rows: list[list[str]]) -> str:
-    """A markdown table (cells with `|` or newlines escaped)."""
-    def cell(text: str) -> str:
-        return str(text).replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]) + "\n"
 
 
 def weights_key(rows: list[dict]) -> list[str]:
@@ -114,12 +103,12 @@ def write_means(out: Path, groups: list[dict], keys: list[str], metrics: list[st
     """`ablation_mean.md` / `.csv` (mean +- standard error over `over`, n finished of runs) and `ablation_mean.png`
     (both held-out evaluations after training, with their standard errors, and before as marks). Returns the bars
     drawn: (group label, key) -> (mean, standard error)."""
-    plt = _pyplot()
+    plt = pyplot()
     columns = keys + metrics + ["n"]
     table = Table(title=f"smd ablate: mean ± standard error over {', '.join(over)}", caption=_caption(metrics))
     for c in columns:
         table.add_column(label(c) if c in metrics else c, justify="right")
-    cells = [[str(g[k]) for k in keys] + [_pm(g, m) for m in metrics]
+    cells = [[str(g[k]) for k in keys] + [plus_minus(g.get(m), g.get(f"{m} se")) for m in metrics]
              + [f"{g['n']}/{g['runs']}" + (f" ({g['collapsed']} collapsed)" if g.get("collapsed") else "")] for g in groups]
     for c in cells:
         table.add_row(*c)
@@ -177,7 +166,7 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
     the held-out reward after training per run, with a dense cache and under eviction side by side (`metric` alone
     when the rows have neither), a bar for each that finished with a number, a red "failed" (or grey "n/a") mark in
     place of the bars otherwise, never a 0. Returns the bars of `metric` drawn, run -> height."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for r in rows:
         path = Path(r["dir"]) / "metrics.jsonl"
@@ -230,12 +219,3 @@ def write_plot(out: Path, rows: list[dict], metric: str) -> dict[str, float]:
     fig.savefig(out / "ablation.png", dpi=120)
     plt.close(fig)
     return bars
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt

@@ -10,7 +10,7 @@ import math
 
 from smd_cli.report.claims import FIXED, GREATER, MARGIN, NOT_WORSE, PAPER_GSM8K, VIEWS, Finding
 from smd_cli.report.data import Sweep
-from smd_cli.report.stats import Cell, cell, number
+from smd_cli.report.stats import Cell, cell, plus_minus
 
 MAIN_COLUMNS = [  # (header, metric)
     ("held-out, dense cache", "eval/reward_after"), ("held-out, under eviction", "eval/evict/reward_after"),
@@ -20,6 +20,15 @@ MAIN_COLUMNS = [  # (header, metric)
     ("answer KV kept, training", "train/evidence/kept_mean"), ("answer KV kept, held-out after", "eval/evict/kept_after"),
 ]
 CORRECTION_PREFIXES = ("is/", "rollout_corr/", "correction/")  # per-step fractions a correction masked or reweighted
+
+
+def markdown(columns: list[str], rows: list[list]) -> str:
+    """A markdown table (cells with `|` or newlines escaped)."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return "\n".join(lines + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows]) + "\n"
 
 
 COUNTS = ["n", "collapsed", "failed"]  # a cell's runs: with results (collapsed ones included), collapsed, failed
@@ -107,7 +116,7 @@ def verdict_cell(f: Finding | None) -> str:
         return "-"
     d = f.decision.d if f.decision is not None else Cell(None, None, 0)
     fixed = "; fixed prompts" if f.prompts == FIXED else ""
-    diff = "" if d.mean is None else f" ({d.mean:+.3f}" + ("" if d.se is None else f" ± {number(d.se)}") + f", {d.n} seeds{fixed})"
+    diff = "" if d.mean is None else f" ({plus_minus(d.mean, d.se, signed=True)}, {d.n} seeds{fixed})"
     return f"**{f.verdict}**{diff}"
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from smd_cli.report import claims, figures, machinery, tables
 from smd_cli.report.data import Sweep, check_weights
 from smd_cli.report.stats import FAILS, HOLDS, INCONCLUSIVE, Sequential, cell, critical
-from smd_cli.report.tables import MAIN_COLUMNS
+from smd_cli.report.tables import MAIN_COLUMNS, markdown
 from smd_cli.runtime import records
 from smd_cli.runtime.integrity import atomic_text, write_file
 
@@ -44,9 +44,7 @@ class Report:
     def table(self, name: str, header: list[str], rows: list[list]) -> None:
         """A markdown table here, and `name.csv` beside the report (the same cells)."""
         cells = [[_str(c) for c in r] for r in rows]
-        self.lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        self.lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in cells]
-        self.lines.append("")
+        self.lines += [markdown(header, cells)]
         with atomic_text(self.out / f"{name}.csv") as f:
             writer = csv.writer(f)
             writer.writerow(header)

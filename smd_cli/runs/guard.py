@@ -2,8 +2,8 @@
 
 An algorithm whose learner scores the sampler's own view (SMD's shadow replay; a dense learner of dense, full-precision
 rollouts) measures that parity in its first pass: `mismatch/max_abs_diff`, the largest |log p_learner - log p_sampler|.
-`ParityGuard` judges it against the bound of the run's compute dtype (`contract_bound`: PARITY_BOUNDS, check-parity's
-1e-5 for float32; `guard.parity_bound` overrides it), the way check-parity judges a miss, and on the very batch and
+`ParityGuard` judges it against the bound of the run's compute dtype (`smd_cli.checks.contracts.contract_bound`:
+PARITY_BOUNDS, 1e-5 for float32; `guard.parity_bound` overrides it), the way check-parity judges a miss, and on the very batch and
 weights of the miss: `learner_step` hands it the first pass's numbers before its update (`check`), and a miss beyond
 the bound is replayed in float64 there and then (`smd_cli.checks.parity.float64_replay`, one layer widened at a time: no
 float64 copy of the model). The update is not made, and the run stops with status `parity_broken` (never
@@ -31,21 +31,15 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
+from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.parity import beyond_rounding, float64_replay, mask_error
+
 
 # The contract's bound on the learner's parity per compute dtype (DESIGN.md contract 1): float32's is conf/check_parity.yaml's
 # parity.bound. A dtype missing here is not judged unless guard.parity_bound is set.
-PARITY_BOUNDS: dict[str, float] = {"float32": 1.0e-5, "float64": 1.0e-5}
-
-
 class ParityBroken(Exception):
     """The learner is not the sampler's policy (`ParityGuard.broken` says why); raised inside `learner_step`, before
     its update."""
-
-
-def contract_bound(dtype: str) -> float | None:
-    """The bound the learner's parity is held to in compute dtype `dtype`, or None: not judged."""
-    return PARITY_BOUNDS.get(dtype)
 
 
 def judged_view(cfg: DictConfig) -> bool:

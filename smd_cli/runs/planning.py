@@ -12,13 +12,14 @@ from dataclasses import replace
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.planner import Arch, Run, plan, rounding_record_bytes
 from smd_cli.config.checks import ConfigError
 from smd_cli.config.factories import build_correction, build_policy, build_task
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.model import build as models
 from smd_cli.rollout import adaptive
-from smd_cli.runs.guard import contract_bound, judged_view
+from smd_cli.runs.guard import judged_view
 from smd_cli.runs.model_loading import load_tokenizer
 
 GIB = 2**30

@@ -16,15 +16,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.table import Table
 
+from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.parity import JUDGED, Settings, check
-from smd_cli.config.checks import ROOT, to_dict
+from smd_cli.config.checks import ROOT, ConfigError, to_dict
 from smd_cli.config.factories import build_policy, build_task
 from smd_cli.config.prompts import encode_prompt, load_examples
 from smd_cli.config.rules import check_config
 from smd_cli.learner import agreement
 from smd_cli.rollout.sampler import generate
 from smd_cli.runs.console import console
-from smd_cli.runs.model_loading import load_model
+from smd_cli.runs.model_loading import compute_dtype, load_model
 from smd_cli.runs.run_dirs import start_run
 from smd_cli.runtime.failures import ParityFailed
 from smd_cli.runtime.records import write_json
@@ -47,11 +48,24 @@ def policies(cfg: DictConfig) -> list[tuple[str, object]]:
     return [(name, build_policy(cfg, name)) for name in names]
 
 
+def parity_bound(cfg: DictConfig, device: torch.device) -> float:
+    """`parity.bound`, or the contract bound of the model's compute dtype on `device`."""
+    if cfg.parity.bound is not None:
+        return float(cfg.parity.bound)
+    dtype = compute_dtype(cfg, device)
+    bound = contract_bound(dtype)
+    if bound is None:
+        raise ConfigError(f"parity.bound=null: {dtype} compute has no contract bound (smd_cli/checks/contracts.py); "
+                          f"set parity.bound=... to judge its parity")
+    return bound
+
+
 def run(cfg: DictConfig) -> dict:
     validate(cfg)
     run_ = start_run(cfg)
     task = build_task(cfg)
     chosen = policies(cfg)  # a wrong option is named before the model is built
+    bound = parity_bound(cfg, run_.device)  # before the model is loaded: a dtype with no bound is named at once
     model, tokenizer = load_model(cfg, task, run_.device, progress=cfg.progress)
     G, s, p = cfg.num_generations, cfg.sampling, cfg.parity
     examples = [e for e in load_examples(task, cfg.split, cfg.num_prompts) for _ in range(G)]
@@ -64,13 +78,13 @@ def run(cfg: DictConfig) -> dict:
                          top_k=s.top_k, generator=torch.Generator(device=run_.device).manual_seed(cfg.seed),
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, progress=cfg.progress,
                          measure_dense_kv=False, compile=s.get("compile", "auto"), kv_quant=cfg.kv.quant)
-        found = check(model, batch, settings, float(p.bound))
+        found = check(model, batch, settings, bound)
         values = agreement.measure(model, batch, float(s.temperature), p.logits_chunk, p.micro_batch_size, cfg.model.replay)
         found["agreement"] = {} if values is None else agreement.summary(values, prefix="")  # sampler vs dense, per token
         results[name] = {"target": f"{type(policy).__module__}.{type(policy).__name__}", "rows": len(prompts),
                          "tokens": int(batch.response_mask.sum()), "kv/kept_fraction": batch.stats["kv/kept_fraction"],
                          "sampling_support": batch.sampling_support is not None, **found}
-    report = {"bound": float(p.bound), "passed": all(r["passed"] for r in results.values()), "judged": list(JUDGED),
+    report = {"bound": bound, "passed": all(r["passed"] for r in results.values()), "judged": list(JUDGED),
               "model": cfg.model.name, "task": task.name, "compression": float(cfg.compression), "seed": cfg.seed, "kv_quant": cfg.kv.quant,
               "sampling": to_dict(s), "policies": results}
     write_json(run_.dir / "parity.json", report)

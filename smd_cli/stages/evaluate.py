@@ -28,6 +28,7 @@ from smd_cli.evaluation.batch import evaluate
 from smd_cli.eviction.none import KeepAll
 from smd_cli.model import build as models
 from smd_cli.model import weights
+from smd_cli.report.stats import plus_minus
 from smd_cli.runs.console import console, print_metrics
 from smd_cli.runs.model_loading import (
     check_precision,
@@ -209,10 +210,10 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _with_error(value: float, stderr) -> str:
-    """`0.7500 ± 0.2500`; one example has no standard error, which is said (never `± nan`)."""
+    """`0.750 ± 0.250`; one example has no standard error, which is said (never `± nan`)."""
     if isinstance(stderr, (int, float)) and math.isfinite(stderr):
-        return f"{value:.4f} ± {stderr:.4f}"
-    return f"{value:.4f} (one example: no standard error)"
+        return plus_minus(value, stderr)
+    return f"{plus_minus(value)} (one example: no standard error)"
 
 
 def print_summary(summary: dict, run_dir) -> None:
