@@ -1,5 +1,5 @@
 """Sizes are checked before they are allocated (issue 27 item 3), through `smd train`: the planner's step for the
-run's device against the machine's memory (`smd_cli.runs.planning.check_fits`, its numbers in the refusal), the
+run's device against the machine's memory (`smd_cli.runs.memory_fit.check_fits`, its numbers in the refusal), the
 context check with the real encoded prompt (chat template included) for every model, `model=hub` too, and the
 architecture check before any warm start. The machine's memory is fixed by the test (4 GiB), so that the refusals
 do not depend on what else runs."""
@@ -12,7 +12,7 @@ import time
 import pytest
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from smd_cli.runs import planning
+from smd_cli.runs import memory_fit
 from smd_cli.tasks.synthetic import NeedleRetrieval
 from tests.conftest import smd
 from tests.test_architectures import save_tiny
@@ -23,7 +23,7 @@ TINY = ["progress=false", "device=cpu"]
 
 @pytest.fixture
 def four_gib(monkeypatch):
-    monkeypatch.setattr(planning, "machine_memory", lambda device: (4.0 * GiB, 4.0 * GiB, "test memory"))
+    monkeypatch.setattr(memory_fit, "machine_memory", lambda device: (4.0 * GiB, 4.0 * GiB, "test memory"))
 
 
 def refusal(capsys, *args, tmp_path) -> tuple[str, float]:

@@ -210,7 +210,7 @@ def rollout_terms(run: Run) -> dict[str, float]:
         kv = 2.0 * rows * a.layers * a.kv_heads * slots * (a.head_dim + 4)
         dequantised = 2.0 * b * rows * a.kv_heads * slots * a.head_dim
     bookkeeping = 8.0 * rows * a.layers * a.kv_heads * slots if run.cached else 0.0
-    record = rounding_record_bytes(run, rows)  # while decoding; each finished chunk's goes to the host (`planning.host_terms`)
+    record = rounding_record_bytes(run, rows)  # while decoding; each finished chunk's goes to the host (`smd_cli.runs.memory_fit.host_terms`)
     # prefill of one layer, no gradient: the larger of its attention (q, k, v, their rolled copies, the
     # policy's scores) and its MLP (gate, up, act(gate) * up), over the residual stream
     scores = rows * a.heads * run.score_rows * P * (b + 4.0) if run.evicting else 0.0

@@ -119,7 +119,7 @@ def recorded_weights(path: Path) -> Weights:
     return Weights(**{k: v for k, v in fields.items() if k in Weights.__dataclass_fields__})
 
 
-def _intact(path: Path) -> list[str]:
+def _damage(path: Path) -> list[str]:
     """Problems of a cache entry: its manifest's, or a `weights.json` that is not what was written."""
     problems = integrity.verify(path)
     if not problems:
@@ -137,12 +137,12 @@ def dequantised(gguf_path: Path, repo_id: str, quantisation: str, root: Path, pr
     `integrity.DiskFull`; a cache that cannot be written, `integrity.Unwritable`."""
     digest = integrity.sha256(gguf_path)
     path = Path(root) / digest[:16]
-    if path.is_dir() and not _intact(path):
+    if path.is_dir() and not _damage(path):
         return path
     say = (lambda text: _say(progress, f"weights: {text}"))
     with integrity.exclusive(path.with_name(f".{path.name}.lock"), f"building the weights {path}", say):
         if path.is_dir():
-            problems = _intact(path)
+            problems = _damage(path)
             if not problems:
                 return path  # built by the process this one waited for
             _say(progress, f"warning: the cached weights {path} are broken ({'; '.join(problems[:3])}); rebuilding them")

@@ -27,7 +27,6 @@ The paper's numbers are from `../shared/REFERENCES.md` section 1 (the paper's bo
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -48,6 +47,7 @@ from smd_cli.report.stats import (
     plus_minus,
     sequential,
 )
+from smd_cli.runtime import records
 
 MARGIN = 0.05  # "matches" / "robust": not worse by more than 0.05 of the metric (fixed before any run)
 VIEWS = {"dense cache": "eval/reward_after", "under eviction": "eval/evict/reward_after"}
@@ -91,10 +91,9 @@ class Finding:
 def _config(run_dir: str) -> dict:
     """A run's resolved config (its config.json), {} when it cannot be read."""
     try:
-        config = json.loads((Path(run_dir) / "config.json").read_text())
-    except (OSError, ValueError):
+        return records.read_object(Path(run_dir) / "config.json")
+    except (OSError, records.Damaged):
         return {}
-    return config if isinstance(config, dict) else {}
 
 
 def _prompts(run_dir: str) -> int | None:

@@ -55,16 +55,26 @@ def _parse(text: str, where: str) -> Any:
 
 def read_object(path: Path, missing_ok: bool = False) -> dict:
     """The JSON object in `path`; `Damaged` when it is not one ({} for a missing file with `missing_ok`)."""
+    return _read(path, dict, missing_ok)
+
+
+def read_list(path: Path, missing_ok: bool = False) -> list:
+    """The JSON array in `path` (a history smd appends to); `Damaged` when it is not one ([] for a missing file with
+    `missing_ok`)."""
+    return _read(path, list, missing_ok)
+
+
+def _read(path: Path, kind: type, missing_ok: bool):
     path = Path(path)
     if missing_ok and not path.exists():
-        return {}
+        return kind()
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as err:
         raise Damaged(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     value = _parse(text, str(path))
-    if not isinstance(value, dict):
-        raise Damaged(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    if not isinstance(value, kind):
+        raise Damaged(f"{path}: holds a JSON {type(value).__name__}, not {'an object' if kind is dict else 'an array'}")
     return value
 
 

@@ -11,7 +11,7 @@ largest `grpo.micro_batch_size` and `sampling.batch_size` that do, and (one GPU)
 decode at once (the largest `sampling.batch_size`) for each KV format of `kv.quant` with the run's eviction and without
 any (`kv_formats`). Writes `plan.json`.
 
-`smd train` plans its own step the same way before it allocates anything (`smd_cli.runs.planning.check_fits`).
+`smd train` plans its own step the same way before it allocates anything (`smd_cli.runs.memory_fit.check_fits`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from smd_cli.config.checks import ConfigError, check, check_offload
 from smd_cli.config.rules import check_config
 from smd_cli.rollout import adaptive
 from smd_cli.runs.console import console
-from smd_cli.runs.planning import GIB, describe, gib
+from smd_cli.runs.memory_fit import GIB, describe, gib
 from smd_cli.runs.run_dirs import start_run
 from smd_cli.runtime.records import write_json
 

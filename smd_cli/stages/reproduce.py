@@ -20,7 +20,6 @@ says that its verdicts are about those prompts.
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import shlex
@@ -305,7 +304,7 @@ def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, s
     per table) and one line per round for the report
     (also kept in ROOT/rounds.json, so that a report-only invocation says the same)."""
     path, asked, lines = root / "rounds.json", 0, []
-    history = json.loads(path.read_text()) if path.is_file() else []
+    history = records.read_list(path, missing_ok=True)
     for _ in seq.looks:
         sweeps = read_tables(tables, root)
         found = claims.policies(sweeps, seq)
@@ -385,7 +384,7 @@ def record_time(root: Path, started: float, ran: int) -> float | None:
     """Append this invocation to ROOT/timing.json; returns the wall seconds of the invocations that ran training
     runs (the one that ran them all, or the attempts of a stopped and resumed one), not of report-only ones."""
     path = root / "timing.json"
-    history = json.loads(path.read_text()) if path.is_file() else []
+    history = records.read_list(path, missing_ok=True)
     history.append({"started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)), "seconds": round(time.time() - started, 1),
                     "runs_to_run": ran})
     write_json(path, history)
