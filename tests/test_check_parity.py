@@ -101,7 +101,7 @@ def test_bad_values_are_named(tmp_path, override, message):
 
 
 def test_a_dtype_without_a_contract_bound_asks_for_one(tmp_path):
-    """`parity.bound: null` is the compute dtype's contract bound (1e-5 in float32, test_check_parity's first test); bf16
-    has none yet, and the stage names it before loading the model."""
-    with pytest.raises(Exception, match=r"parity.bound=null: bfloat16 compute has no contract bound .* set parity.bound="):
-        stage.run(config(tmp_path, "model.cpu_dtype=bfloat16"))
+    """`parity.bound: null` is the compute dtype's contract bound (1e-5 in float32, test_check_parity's first test); float16
+    has none, and the stage names it before loading the model."""
+    with pytest.raises(Exception, match=r"parity.bound=null: float16 compute has no contract bound .* set parity.bound="):
+        stage.run(config(tmp_path, "model.cpu_dtype=float16"))

@@ -75,6 +75,24 @@ def test_a_family_on_the_list_completes_with_its_parity_judged(tmp_path, tiny_to
     assert summary["train/mismatch/max_abs_diff_max"] <= 1e-5
 
 
+def test_a_bf16_run_is_judged_against_its_contract_bound_and_its_replay_is_the_sampler(tmp_path, tiny_tokenizer, capsys):
+    """bf16 compute on the CPU (`model.cpu_dtype=bfloat16`): the guard judges it (bound 1e-5, `checks/contracts.py`), and
+    the learner's replay is the sampler's log-probs within that bound at every step, where the dense learner of the same
+    evicting rollouts is not (results/bf16_cpu.md measures SmolLM2)."""
+    path = save_tiny(tmp_path / "llama", tiny_tokenizer, LlamaConfig, LlamaForCausalLM)
+    run = tmp_path / "run"
+    code = smd("train", *TRAIN, "model.cpu_dtype=bfloat16", "model.attention_dtype=float64", f"model.name_or_path={path}", f"cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={run}")
+    assert code == 0, said(capsys)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["parity/judged"] == 1.0 and summary["parity/bound"] == 1e-5
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3 and all(s["mismatch/max_abs_diff"] <= 1e-5 for s in steps)
+    assert max(s["mismatch/dense_max_abs_diff"] for s in steps) > 1e-2  # the eviction's mismatch, which the replay removes
+    provenance = json.loads((run / "provenance.json").read_text())
+    assert provenance["compute_dtype"] == summary["model/compute_dtype"] == "bfloat16"
+
+
 def test_top_k_1_is_refused_before_anything_runs(tmp_path, capsys):
     code = smd("train", "sampling.top_k=1", "progress=false", f"cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}")
     assert code == 2

@@ -8,7 +8,7 @@ weights of the miss: `learner_step` hands it the first pass's numbers before its
 the bound is replayed in float64 there and then (`smd_cli.checks.parity.float64_replay`, one layer widened at a time: no
 float64 copy of the model). The update is not made, and the run stops with status `parity_broken` (never
 `completed`), when the float64 replay misses the sampler beyond the bound and beyond ROUNDING_FACTOR times the
-learner's own float32 rounding on that batch (a mask error, `smd_cli.checks.parity.mask_error`), or when the replay is within
+learner's own rounding (in its compute dtype) on that batch (a mask error, `smd_cli.checks.parity.mask_error`), or when the replay is within
 rounding but the learner's miss is not (`smd_cli.checks.parity.beyond_rounding`: the learner computes something else than
 its replay, as a learner with dropout on did). Otherwise the miss was rounding: the run goes on, the miss is recorded
 and named in the status reason, and the bound stays where it was. It is never raised (not to a miss, not to a rounding
@@ -19,9 +19,9 @@ The guard's record (its bound and every miss judged as rounding) goes into each 
 (`state_dict`, `load_state_dict`); a bound changed on resume (`guard.*` may change) is said in the status reason.
 
 Several processes (FSDP2) have no float64 replay (the model is sharded): a miss beyond the bound breaks the contract at
-once (`observe`, after the step). A compute dtype with no bound in PARITY_BOUNDS (bfloat16 and float16 today) is not
+once (`observe`, after the step). A compute dtype with no bound in PARITY_BOUNDS (float16 today) is not
 judged unless `guard.parity_bound` is set: its rounding has no contract bound yet. PARITY_BOUNDS is the place for a
-dtype's measured bound (issue 41, bf16); the float64 replay serves any dtype. Algorithms whose learner views something
+dtype's measured bound (bfloat16's: results/bf16_cpu.md); the float64 replay serves any dtype. Algorithms whose learner views something
 else than the sampler (naive sparse and the corrections: a dense learner of evicting rollouts) have no parity to hold.
 """
 
@@ -35,8 +35,6 @@ from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.parity import beyond_rounding, float64_replay, mask_error
 
 
-# The contract's bound on the learner's parity per compute dtype (DESIGN.md contract 1): float32's is conf/check_parity.yaml's
-# parity.bound. A dtype missing here is not judged unless guard.parity_bound is set.
 class ParityBroken(Exception):
     """The learner is not the sampler's policy (`ParityGuard.broken` says why); raised inside `learner_step`, before
     its update."""
@@ -62,13 +60,14 @@ class ParityGuard:
     broken_at: int | None = None
     broken_miss: float | None = None  # the parity that broke it
     notes: list[str] = field(default_factory=list)
+    dtype: str = "float32"  # the compute dtype, whose rounding a miss within the float64 replay's is
 
     @classmethod
     def of(cls, cfg: DictConfig, dtype: str, processes: int) -> ParityGuard:
         explicit = cfg.guard.get("parity_bound")
         bound = explicit if explicit is not None else contract_bound(dtype)
         judged = judged_view(cfg)
-        guard = cls(judged=judged and bound is not None, bound=bound, replays=processes == 1,
+        guard = cls(judged=judged and bound is not None, bound=bound, replays=processes == 1, dtype=dtype,
                     temperature=float(cfg.sampling.temperature), logits_chunk=cfg.grpo.logits_chunk,
                     micro_batch=cfg.grpo.micro_batch_size)
         if judged and bound is None:
@@ -93,13 +92,13 @@ class ParityGuard:
         if mask_error({"shadow_float64": wide}, self.bound):
             self._break(step, value, f"at step {step} the learner's parity max |log p_learner - log p_sampler| was {value:.3g}, "
                                      f"above the bound {self.bound:g}, and the float64 replay of that step's rollout at the same "
-                                     f"weights misses the sampler by {wide['max_abs_diff']:.3g} (float32 rounding "
+                                     f"weights misses the sampler by {wide['max_abs_diff']:.3g} ({self.dtype} rounding "
                                      f"{wide['rounding']:.3g}): a mask error, not rounding; the step's update was not made")
             raise ParityBroken(self.broken)
         if beyond_rounding(value, wide, self.bound):
             self._break(step, value, f"at step {step} the learner's parity max |log p_learner - log p_sampler| was {value:.3g}, "
                                      f"above the bound {self.bound:g}, while the float64 replay of that step's rollout at the same "
-                                     f"weights is within rounding of the sampler ({wide['max_abs_diff']:.3g}, float32 rounding "
+                                     f"weights is within rounding of the sampler ({wide['max_abs_diff']:.3g}, {self.dtype} rounding "
                                      f"{wide['rounding']:.3g}): the learner's forward is not the replay's function (a training-mode "
                                      "behaviour such as dropout or router jitter, or an error of the learner's own path), not "
                                      "rounding; the step's update was not made")
@@ -155,8 +154,8 @@ class ParityGuard:
             steps = ", ".join(str(m["step"]) for m in self.misses[:10]) + (", ..." if len(self.misses) > 10 else "")
             notes.append(f"parity above the bound {self.bound:g} at {len(self.misses)} step(s) ({steps}; largest {worst['parity']:.3g} "
                          f"at step {worst['step']}), each judged by a float64 replay of its own rollout at its own weights: within "
-                         f"rounding of the sampler (float64 replay {max(m['float64'] for m in self.misses):.3g}, float32 rounding up "
-                         f"to {max(m['rounding'] for m in self.misses):.3g}), float32 rounding, not a mask error; the bound stays "
+                         f"rounding of the sampler (float64 replay {max(m['float64'] for m in self.misses):.3g}, {self.dtype} rounding up "
+                         f"to {max(m['rounding'] for m in self.misses):.3g}), {self.dtype} rounding, not a mask error; the bound stays "
                          f"{self.bound:g}")
         return "; ".join(notes)
 

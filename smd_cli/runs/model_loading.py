@@ -245,10 +245,12 @@ def weights_label(model) -> str:
 
 
 def record_weights(run_dir: Path, model, summary: dict | None = None) -> None:
-    """Add which weights ran to the run's `provenance.json` (rank 0) and, given one, to a summary (`model/weights`)."""
+    """Add which weights ran, and in which compute dtype, to the run's `provenance.json` (rank 0) and, given one, to a
+    summary (`model/weights`, `model/compute_dtype`)."""
     record = getattr(model.config, "smd_weights", None) or {"label": "unknown"}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if summary is not None:
-        summary["model/weights"] = record["label"]
+        summary["model/weights"], summary["model/compute_dtype"] = record["label"], dtype
     path = Path(run_dir) / "provenance.json"
     if distributed.is_main() and path.is_file():
-        write_json(path, {**json.loads(path.read_text()), "weights": record})
+        write_json(path, {**json.loads(path.read_text()), "weights": record, "compute_dtype": dtype})

@@ -46,8 +46,8 @@ from smd_cli.rollout import adaptive
 from smd_cli.rollout.sampler import concat_rollouts, ended_with_eos, generate, response_texts, sampling_noise
 from smd_cli.runs.console import console
 from smd_cli.runs.guard import ParityBroken, ParityGuard
-from smd_cli.runs.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
 from smd_cli.runs.memory_fit import check_fits
+from smd_cli.runs.model_loading import check_context, compute_dtype, load_model, load_tokenizer, record_weights
 from smd_cli.runs.run_dirs import pick_device, start_run
 from smd_cli.runs.train_state import (  # Ctrl-C and a failed write: one line, a status
     CollapseGuard,
