@@ -169,16 +169,30 @@ def test_policy_names_are_conf_eviction_targets():
 
 
 def test_one_step_through_the_trainer_as_the_example_uses_it(tmp_path, tiny_tokenizer, data):
-    """SnapKV 0.5, lambda 0.1, TRL's default gradient checkpointing: one real update whose first pass is the sampler's
-    policy, the teacher's KL in the loss, and the learner in eval-mode semantics (no dropout module training)."""
+    """SnapKV 0.5, lambda 0.1, TRL's default gradient checkpointing, two micro-batches of a shuffled generation batch: one
+    real update whose passes are the sampler's policy, the teacher's KL in the loss, the learner in eval-mode semantics
+    (no dropout module training)."""
     model = build_tiny_model(len(tiny_tokenizer), seed=0)
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = trainer_for(model, tiny_tokenizer, data, config(tmp_path, learning_rate=1e-2, **{CHECKPOINTING: True}),
+    trainer = trainer_for(model, tiny_tokenizer, data, config(tmp_path, learning_rate=1e-2, per_device_train_batch_size=4,
+                                                              gradient_accumulation_steps=2, **{CHECKPOINTING: True}),
                           SMDConfig(policy="snapkv", compression=0.5, lam=0.1, policy_kwargs=SMALL))
     trainer.train()
-    log = next(h for h in trainer.state.log_history if "smd/distill" in h)
+    log = next(h for h in trainer.state.log_history if "smd/distill" in h)  # the micro-batches' mean
     assert log["smd/mismatch/max_abs_diff"] <= BOUND < log["smd/mismatch/dense_max_abs_diff"]
     assert log["smd/distill"] > 0 and torch.isfinite(torch.tensor(log["loss"]))
     assert 0.3 < log["smd/kv_kept_fraction"] < 0.8
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters())), "no update"
     assert not any(m.training for m in model.modules() if isinstance(m, torch.nn.Dropout))
+
+
+def test_a_reference_model_is_scored_in_the_replayed_view(tmp_path, tiny_tokenizer, data):
+    """beta > 0: TRL loads the reference from the model's path; the integration scores it under the rollout's shadow mask
+    (as `smd train` does), so at the rollout's weights its KL to the policy is 0."""
+    build_tiny_model(len(tiny_tokenizer), seed=0).save_pretrained(tmp_path / "model")
+    tiny_tokenizer.save_pretrained(tmp_path / "model")
+    trainer = trainer_for(str(tmp_path / "model"), tiny_tokenizer, data, config(tmp_path, beta=0.04),
+                          SMDConfig(policy="snapkv", compression=0.5, policy_kwargs=SMALL))
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "kl" in h)
+    assert abs(log["kl"]) <= 1e-6 and log["smd/mismatch/max_abs_diff"] <= BOUND
