@@ -14,7 +14,10 @@ TRL's fused LM head scores only the completion positions, as on a GPU (`bench/pe
 it would score every position through the vocabulary; `--trl-full-head` leaves it stock).
 Each run is a fresh trainer on a fresh copy of its model; a round runs both, in an order reversed every other round;
 the first step of each run is dropped (warm-up); the ratio is TRL + SMD's median step over plain TRL's, overall and
-per round. Step: `on_step_begin` -> `on_step_end` (generation, reward, loss, backward, clipping, optimizer step).
+per round. Step: `on_step_begin` -> `on_step_end` (generation, reward, loss, backward, clipping, optimizer step); its
+rollout part is TRL's `_generate_and_score_completions` (tokenize, generate, reward, advantages), the rest the learner.
+Both sides are TRL; the difference is the engine's: SMD's sampler and learner compute each prompt once for its G samples
+(`smd_cli.learner.forward.shared_prompt_views`), where `generate` prefills, and TRL's learner runs, every copy.
 """
 
 from __future__ import annotations
@@ -60,8 +63,9 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self.t0)
 
 
-def run(arm: str, models: dict, cfg, task, tokenizer, args) -> list[float]:
-    """One fresh trainer of `arm` for `args.steps` steps; its step times."""
+def run(arm: str, models: dict, cfg, task, tokenizer, args) -> dict[str, list[float]]:
+    """One fresh trainer of `arm` for `args.steps` steps: its step times and their rollout part (TRL's
+    `_generate_and_score_completions`: tokenize, generate, reward, advantages); the rest is the learner."""
     model = copy.deepcopy(models[arm])
     per_step = SCALES[args.model]["prompts_per_step"]
 
@@ -75,11 +79,20 @@ def run(arm: str, models: dict, cfg, task, tokenizer, args) -> list[float]:
     else:
         trainer = SMDGRPOTrainer(**common, smd=SMDConfig(policy="snapkv", compression=0.5, lam=cfg["lambda"]))
     trainer.remove_callback(PrinterCallback)
-    timer = StepTimer()
+    timer, rollout = StepTimer(), []
     trainer.add_callback(timer)
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        out = generate_and_score(*a, **k)
+        rollout.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed
     trainer.train()
-    assert len(timer.times) == args.steps, (arm, timer.times)
-    return timer.times
+    assert len(timer.times) == len(rollout) == args.steps, (arm, timer.times, rollout)
+    return {"step": timer.times, "rollout": rollout, "learner": [t - r for t, r in zip(timer.times, rollout)]}
 
 
 def main() -> None:
@@ -107,19 +120,26 @@ def main() -> None:
         for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
             got = run(arm, models, cfg, task, tokenizer, args)
             times[arm].append(got)
-            print(f"round {r + 1}/{args.rounds} {arm:<10} steps {', '.join(f'{t:.2f}' for t in got)} s", flush=True)
-    med = {arm: statistics.median(t for run_ in times[arm] for t in run_[1:]) for arm in ARMS}
-    per_round = [statistics.median(times["TRL + SMD"][r][1:]) / statistics.median(times["plain TRL"][r][1:]) for r in range(args.rounds)]
-    ratio = med["TRL + SMD"] / med["plain TRL"]
+            print(f"round {r + 1}/{args.rounds} {arm:<10} steps {', '.join(f'{t:.2f}' for t in got['step'])} s "
+                  f"(rollout {', '.join(f'{t:.2f}' for t in got['rollout'])})", flush=True)
+
+    def median(arm: str, part: str) -> float:
+        return statistics.median(t for run_ in times[arm] for t in run_[part][1:])
+
+    med = {arm: {part: median(arm, part) for part in ("step", "rollout", "learner")} for arm in ARMS}
+    per_round = [statistics.median(times["TRL + SMD"][r]["step"][1:]) / statistics.median(times["plain TRL"][r]["step"][1:])
+                 for r in range(args.rounds)]
+    ratio = med["TRL + SMD"]["step"] / med["plain TRL"]["step"]
     print(f"\n{args.model}, torch threads {torch.get_num_threads()}, TRL's LM head: {head}; {args.rounds} rounds x {args.steps} steps, first of each run dropped")
-    print("| arm | median step |\n|---|---:|")
+    print("| arm | median step | rollout | learner |\n|---|---:|---:|---:|")
     for arm in ARMS:
-        print(f"| {arm} | {med[arm]:.2f} s |")
-    print(f"TRL + SMD / plain TRL: {ratio:.2f} (per round {', '.join(f'{x:.2f}' for x in per_round)})")
+        print(f"| {arm} | {med[arm]['step']:.2f} s | {med[arm]['rollout']:.2f} s | {med[arm]['learner']:.2f} s |")
+    print(f"TRL + SMD / plain TRL, step: {ratio:.2f} (per round {', '.join(f'{x:.2f}' for x in per_round)}); rollout "
+          f"{med['TRL + SMD']['rollout'] / med['plain TRL']['rollout']:.2f}, learner {med['TRL + SMD']['learner'] / med['plain TRL']['learner']:.2f}")
     import transformers
     import trl
 
-    report = {"model": args.model, "rounds": args.rounds, "steps": args.steps, "lm_head": head, "times": times, "median_step_s": med,
+    report = {"model": args.model, "rounds": args.rounds, "steps": args.steps, "lm_head": head, "times": times, "median_s": med,
               "ratio": ratio, "ratio_per_round": per_round, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__},
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": 1},

@@ -127,7 +127,7 @@ def main() -> None:
     print("| policy | TRL + SMD replay: max |dlogp| | plain TRL learner: max |dlogp| | tokens |")
     print("|---|---:|---:|---:|")
     data = train_data(task, tokenizer, prompts_per_step)
-    for name in args.policies.split(","):
+    for name in [p for p in args.policies.split(",") if p]:  # --policies "": none
         trainer = SMDGRPOTrainer(model=model, reward_funcs=reward, args=grpo_config(cfg, args.model, 1, 0.0, args.out),  # SMD
                                  train_dataset=data, processing_class=tokenizer, smd=SMDConfig(policy=name, compression=0.5))
         trainer.remove_callback(PrinterCallback)  # TRL's per-step log lines (disable_tqdm prints them): the table below instead

@@ -119,6 +119,7 @@ REFUSED = {
     "min_p": dict(min_p=0.1),
     "repetition_penalty": dict(repetition_penalty=1.1),
     "pad_to_multiple_of": dict(pad_to_multiple_of=8),
+    "max_completion_length": dict(max_completion_length=None),
     "entropy_coef": dict(entropy_coef=0.01),
     "use_liger_kernel": dict(use_liger_kernel=True),
     "reentrant_checkpointing": {CHECKPOINTING: True, f"{CHECKPOINTING}_kwargs": {"use_reentrant": True}},

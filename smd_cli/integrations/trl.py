@@ -126,6 +126,8 @@ def refusals(args: GRPOConfig, kwargs: dict | None = None) -> list[str]:
     if args.min_p is not None or args.repetition_penalty != 1.0 or args.generation_kwargs or args.cache_implementation:
         no("min_p / repetition_penalty / generation_kwargs / cache_implementation", "the sampler draws from temperature, "
            "top_k and top_p only, which the learner replays; other logits processors it does not implement")
+    if not args.max_completion_length:
+        no(f"max_completion_length={args.max_completion_length!r}", "the sampler's fixed number of decode steps (an integer >= 1)")
     if args.pad_to_multiple_of is not None:
         no(f"pad_to_multiple_of={args.pad_to_multiple_of!r}", "TRL's batch must have the rollout's columns, whose shadow mask it replays")
     if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
