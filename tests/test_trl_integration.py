@@ -157,6 +157,8 @@ def test_config_refuses_what_the_engine_does_not_have():
         SMDConfig(lam=-0.1)
     with pytest.raises(ValueError):
         SMDConfig(kv_quant="int4")
+    with pytest.raises(ValueError, match="backend"):
+        SMDConfig(replay_backend="cuda")
 
 
 def test_policy_names_are_conf_eviction_targets():

@@ -46,6 +46,7 @@ except ImportError as err:  # the optional extra
 
 from smd_cli.attention.kv_quant import check_kind
 from smd_cli.attention.policy import EvictionPolicy
+from smd_cli.attention.shadow import resolve_backend
 from smd_cli.eviction.h2o import H2O
 from smd_cli.eviction.knorm import KNorm
 from smd_cli.eviction.none import KeepAll
@@ -96,7 +97,9 @@ class SMDConfig:
         if not (math.isfinite(self.lam) and self.lam >= 0):
             raise ValueError(f"SMDConfig.lam={self.lam!r}: the distillation weight, a finite number >= 0")
         check_kind(self.kv_quant)
-        Algorithm(name="smd", replay_backend=self.replay_backend)  # the engine's own checks of the rest
+        resolve_backend(self.replay_backend, torch.device("cpu"))  # the replay's own check of the name
+        if self.logits_chunk is not None and (not isinstance(self.logits_chunk, int) or self.logits_chunk < 1):
+            raise ValueError(f"SMDConfig.logits_chunk={self.logits_chunk!r}: None or an integer >= 1")
 
     def build_policy(self) -> EvictionPolicy:
         if isinstance(self.policy, EvictionPolicy):
