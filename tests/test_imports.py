@@ -6,6 +6,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "smd_cli"
 # Highest first. A module may import its own package and any package after it in this list, never one before it.
+# `integrations` (optional extras: TRL) sits above every engine package it uses and is imported by nothing (tested below).
 LAYERS = ["cli", "stages", "runs", "config", "integrations", "report", "checks", "evaluation", "learner", "corrections", "rollout",
           "eviction", "tasks", "model", "attention", "runtime", "options"]
 HYDRA_SIDE = {"cli", "stages", "runs", "config"}
@@ -88,3 +89,11 @@ def test_smd_reproduce_starts_without_transformers():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "loaded: []"
+
+
+def test_nothing_in_smd_cli_imports_the_integrations():
+    """`integrations` (SMD inside other libraries' trainers, optional extras such as TRL) may import any engine package and
+    is imported by none: the engine and the stages run without those extras installed."""
+    users = [f"{p.relative_to(PACKAGE)} imports {m}" for p in modules() if layer(p) != "integrations"
+             for m in imports(p) if m.startswith("smd_cli.integrations")]
+    assert not users, users

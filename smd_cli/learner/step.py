@@ -120,10 +120,11 @@ def _hidden(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bo
                            batch.cache_reads(rows) if shadow else None)
 
 
-def _scored(model, batch: RolloutBatch, rows: slice, algo: Algorithm, shadow: bool, teacher: bool) -> dict[str, torch.Tensor]:
-    """`vocab_terms` of `rows` in the learner's view (dense or the shadow replay), with SMD's dense teacher when
-    `teacher`, over the sampler's recorded kept token set when it truncated one (top-k / top-p; the same set in
-    every view, whatever its logits): everything one micro-batch's loss needs, from one pass of `model`."""
+def scored(model, batch: RolloutBatch, rows: slice | torch.Tensor, algo: Algorithm, shadow: bool, teacher: bool) -> dict[str, torch.Tensor]:
+    """`vocab_terms` of `rows` (a slice, or row indices) in the learner's view (dense or the shadow replay), with SMD's
+    dense teacher when `teacher`, over the sampler's recorded kept token set when it truncated one (top-k / top-p; the
+    same set in every view, whatever its logits): everything one micro-batch's loss needs, from one pass of `model`.
+    Public: the TRL integration (`smd_cli.integrations.trl`) scores TRL's micro-batches with it."""
     dense = None
     if teacher:  # the replay with gradient, and the dense teacher's response rows without
         hidden, dense = shadow_and_teacher_hidden(model, batch.input_ids[rows], batch.attention_mask[rows], batch.prompt_length,
@@ -148,7 +149,7 @@ def _runner(model):
 def _logprobs(model, batch: RolloutBatch, parts: list[slice], algo: Algorithm, shadow: bool) -> torch.Tensor:
     """Token log-probs of the whole batch under `model` without gradient, [N, R], micro-batch by micro-batch."""
     forward, _ = _runner(model)
-    return torch.cat([forward(_scored, batch, s, algo, shadow, False)["logp"] for s in parts])
+    return torch.cat([forward(scored, batch, s, algo, shadow, False)["logp"] for s in parts])
 
 
 def _skipped(metrics: dict, sampler: torch.Tensor, mask: torch.Tensor, dense_logp: torch.Tensor | None) -> dict:
@@ -211,7 +212,7 @@ def learner_step(model, optimizer, batch: RolloutBatch, advantages: torch.Tensor
     distilled = algo.distill and algo.lam > 0
     for iteration in range(algo.num_iterations):
         for s in parts:
-            terms = forward(_scored, batch, s, algo, shadow, distilled)
+            terms = forward(scored, batch, s, algo, shadow, distilled)
             logp = terms["logp"]
             if iteration == 0:
                 view_logp.append(logp.detach())
