@@ -41,13 +41,13 @@ for path in (str(ROOT), str(BENCH), str(ROOT / "examples")):
         sys.path.insert(0, path)
 
 import torch  # noqa: E402
+from peer_trl import compact_lm_head  # noqa: E402
 from transformers import AutoModelForCausalLM, PrinterCallback, TrainerCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
+from trl_smd import SCALES, grpo_config, load, train_data  # noqa: E402  (examples/trl_smd.py)
 
-from peer_trl import compact_lm_head  # noqa: E402
 from smd_cli.integrations.trl import SMDConfig, SMDGRPOTrainer  # noqa: E402
 from smd_cli.runtime.integrity import write_file  # noqa: E402
-from trl_smd import SCALES, grpo_config, load, train_data  # noqa: E402  (examples/trl_smd.py)
 
 ARMS = ["plain TRL", "TRL + SMD"]
 

@@ -215,7 +215,7 @@ RULES: dict[str, Rule] = {
     "resume": Rule(_resume, "true, false, or a run directory"),
     "guard.collapse_steps": integer(0, "(0: no collapse guard)"),
     "guard.parity_bound": real(0, low_open=True, text="a finite number > 0 (the largest |log p_learner - log p_sampler|)",
-                               null="the compute dtype's contract bound: 1e-5 in float32 and bf16, not judged in float16"),
+                               null="the compute dtype's contract bound (smd_cli/checks/contracts.py)"),
     "checkpoint.every": integer(0, "(0: only at the end)"),
     "checkpoint.at_end": flag(),
     "checkpoint.final": flag(),

@@ -19,7 +19,7 @@ The guard's record (its bound and every miss judged as rounding) goes into each 
 (`state_dict`, `load_state_dict`); a bound changed on resume (`guard.*` may change) is said in the status reason.
 
 Several processes (FSDP2) have no float64 replay (the model is sharded): a miss beyond the bound breaks the contract at
-once (`observe`, after the step). A compute dtype with no bound in PARITY_BOUNDS (float16 today) is not
+once (`observe`, after the step). A compute dtype with no bound (float16; bfloat16 unless the attention is summed in float64) is not
 judged unless `guard.parity_bound` is set: its rounding has no contract bound yet. PARITY_BOUNDS is the place for a
 dtype's measured bound (bfloat16's: results/bf16_cpu.md); the float64 replay serves any dtype. Algorithms whose learner views something
 else than the sampler (naive sparse and the corrections: a dense learner of evicting rollouts) have no parity to hold.
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig
 
-from smd_cli.checks.contracts import contract_bound
+from smd_cli.checks.contracts import contract_bound, unbounded
 from smd_cli.checks.parity import beyond_rounding, float64_replay, mask_error
 
 
@@ -65,13 +65,13 @@ class ParityGuard:
     @classmethod
     def of(cls, cfg: DictConfig, dtype: str, processes: int) -> ParityGuard:
         explicit = cfg.guard.get("parity_bound")
-        bound = explicit if explicit is not None else contract_bound(dtype)
+        bound = explicit if explicit is not None else contract_bound(dtype, cfg.model.get("attention_dtype"))
         judged = judged_view(cfg)
         guard = cls(judged=judged and bound is not None, bound=bound, replays=processes == 1, dtype=dtype,
                     temperature=float(cfg.sampling.temperature), logits_chunk=cfg.grpo.logits_chunk,
                     micro_batch=cfg.grpo.micro_batch_size)
         if judged and bound is None:
-            guard.notes.append(f"parity not judged: {dtype} compute has no contract bound (set guard.parity_bound)")
+            guard.notes.append(f"parity not judged: {unbounded(dtype)} (set guard.parity_bound)")
         return guard
 
     def check(self, step: int, model, batch):

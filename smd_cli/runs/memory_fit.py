@@ -89,7 +89,7 @@ def parity_replays(cfg: DictConfig, dtype: str, gpus: int) -> bool:
     """Whether `smd train`'s parity guard may replay a miss in float64 inside the step (`train_parity.ParityGuard`): a
     judged view with a bound for `dtype` (or `guard.parity_bound`), on one process."""
     explicit = OmegaConf.select(cfg, "guard.parity_bound")
-    return gpus == 1 and judged_view(cfg) and (explicit is not None or contract_bound(dtype) is not None)
+    return gpus == 1 and judged_view(cfg) and (explicit is not None or contract_bound(dtype, cfg.model.get("attention_dtype")) is not None)
 
 
 def host_terms(cfg: DictConfig, step: Run) -> dict[str, float]:

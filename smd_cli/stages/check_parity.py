@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.table import Table
 
-from smd_cli.checks.contracts import contract_bound
+from smd_cli.checks.contracts import contract_bound, unbounded
 from smd_cli.checks.parity import JUDGED, Settings, check
 from smd_cli.config.checks import ROOT, ConfigError, to_dict
 from smd_cli.config.factories import build_policy, build_task
@@ -53,10 +53,9 @@ def parity_bound(cfg: DictConfig, device: torch.device) -> float:
     if cfg.parity.bound is not None:
         return float(cfg.parity.bound)
     dtype = compute_dtype(cfg, device)
-    bound = contract_bound(dtype)
+    bound = contract_bound(dtype, cfg.model.get("attention_dtype"))
     if bound is None:
-        raise ConfigError(f"parity.bound=null: {dtype} compute has no contract bound (smd_cli/checks/contracts.py); "
-                          f"set parity.bound=... to judge its parity")
+        raise ConfigError(f"parity.bound=null: {unbounded(dtype)}; set parity.bound=... to judge its parity")
     return bound
 
 
