@@ -121,8 +121,9 @@ def test_an_example_is_a_function_of_seed_split_and_index(tiny_tokenizer, family
 
 
 def test_the_chat_template_wraps_the_user_message_and_the_answer_prefix_opens_the_reply(tiny_tokenizer):
-    tokenizer = tiny_tokenizer.__class__(  # a copy with a ChatML template, as an instruct model'stokenizer_object=tiny_tokenizer.backend_tokenizer, bos_token=tiny_tokenizer.bos_token,
-                                         eos_token=tiny_tokenizer.eos_token, pad_token=tiny_tokenizer.pad_token)
+    from smd_cli.model.build import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()  # a fresh copy, given a ChatML template as an instruct model's
     tokenizer.chat_template = CHATML
     _, example, _, ids = built(tokenizer, "niah_single", "noise", prompt_tokens=700)
     key = example["draw"]["queried"][0]
@@ -173,3 +174,9 @@ def test_train_and_eval_run_a_family_through_the_cli(tmp_path):
     assert smd("eval", *common, "eval.limit=2", "eviction=snapkv", "model.warmstart.steps=1", f"hydra.run.dir={tmp_path / 'eval'}") == 0
     summary = json.loads((tmp_path / "eval" / "summary.json").read_text())
     assert {"reward", "ruler", "exact", "evidence/kept"} <= set(summary)
+
+
+def test_the_config_rule_names_every_family():
+    from smd_cli.config import rules
+
+    assert rules.RULER_FAMILIES == tuple(ruler_families.FAMILIES)
