@@ -128,7 +128,7 @@ class Ruler(Task):
 
     def _too_short(self, example: Example, need: int) -> ValueError:
         return ValueError(f"task.prompt_tokens={example['prompt_tokens']} is too short for task.family={example['family']}: "
-                          f"its instructions, question and needles alone take {need} tokens; raise task.prompt_tokens")
+                          f"its instructions, question and the least context it has (needles, or the shortest list) take {need} tokens; raise task.prompt_tokens")
 
     def _haystack(self, layout: Haystack, ids, tokenizer, budget: int, example: Example) -> tuple[list[int], list[int]]:
         """Filler units up to `budget` tokens with the needles among them (at `depth` percent of the units), and the
