@@ -2,7 +2,7 @@
 string_match_all, mean +- standard error over prompts, and the answer-bearing KV kept), and a bar plot a panel per
 family.
 
-Usage: python bench/ruler_report.py GRID.json [GRID.json ...] --md OUT.md --png OUT.png
+Usage: python bench/ruler_report.py GRID.json [GRID.json ...] --md OUT.md --png OUT.png [--lines OUT.png]
 """
 
 from __future__ import annotations
@@ -69,11 +69,46 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_compression(rows: list[dict], path: Path) -> None:
+    """Score against compression, a line per policy, a panel per (family, length); cells of one family merged (their n
+    in the legend when they differ)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels: dict[tuple, dict[str, dict[float, tuple[float, float, int]]]] = {}
+    for cell in rows:
+        lines = panels.setdefault((label(cell), cell["prompt_tokens"]), {})
+        for name, r in cell["results"].items():
+            policy, _, c = name.partition("@")
+            s = r["summary"]
+            lines.setdefault(policy, {})[float(c or 0.0)] = (s["ruler"], s["ruler_stderr"], cell["n"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.3), sharey=True, squeeze=False)
+    for ax, ((name, tokens), lines) in zip(axes[0], panels.items()):
+        dense = lines.pop("dense", {})
+        if dense:
+            mean = sum(v[0] for v in dense.values()) / len(dense)
+            ax.axhline(mean, color="0.3", ls="--", label="dense")
+        for policy, points in lines.items():
+            xs = sorted(points)
+            ax.errorbar(xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o", capsize=3,
+                        label=policy + ("" if len({points[x][2] for x in xs}) == 1 else " (n " + "/".join(str(points[x][2]) for x in xs) + ")"))
+        ax.set_title(f"{name}, {tokens} tokens", fontsize=9)
+        ax.set_xlabel("compression (fraction of prompt KV evicted)")
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("RULER string_match_all (greedy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("grids", type=Path, nargs="+")
     parser.add_argument("--md", type=Path)
     parser.add_argument("--png", type=Path)
+    parser.add_argument("--lines", type=Path, help="score against compression, a line per policy (cells with several compressions)")
     args = parser.parse_args(argv)
     rows = cells(args.grids)
     text = table(rows)
@@ -82,6 +117,8 @@ def main(argv: list[str]) -> int:
         args.md.write_text(text + "\n")
     if args.png:
         plot(rows, args.png)
+    if args.lines:
+        plot_compression(rows, args.lines)
     return 0
 
 

@@ -180,3 +180,8 @@ def test_the_config_rule_names_every_family():
     from smd_cli.config import rules
 
     assert rules.RULER_FAMILIES == tuple(ruler_families.FAMILIES)
+
+
+def test_a_length_too_short_is_a_config_error_before_any_model_loads(tmp_path, capsys):
+    assert smd("eval", "task=ruler", "task.prompt_tokens=160", "eval.limit=1", "progress=false", f"hydra.run.dir={tmp_path}") == 2
+    assert "config error: task.prompt_tokens=160 is too short for task.family=niah_single" in capsys.readouterr().err

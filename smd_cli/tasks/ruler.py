@@ -38,6 +38,7 @@ import re
 
 from smd_cli.tasks import ruler_families
 from smd_cli.tasks.base import Example, Task, mean, stderr
+from smd_cli.tasks.loading import PromptTooLong
 from smd_cli.tasks.ruler_families import FAMILIES, Haystack, WordList
 
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
@@ -126,8 +127,9 @@ class Ruler(Task):
     def encode_prompt(self, example: Example, tokenizer) -> list[int]:
         return self.fit_prompt(example, tokenizer)[1]
 
-    def _too_short(self, example: Example, need: int) -> ValueError:
-        return ValueError(f"task.prompt_tokens={example['prompt_tokens']} is too short for task.family={example['family']}: "
+    def _too_short(self, example: Example, need: int) -> PromptTooLong:
+        """A config error (`PromptTooLong`): the stages say it before any model loads."""
+        return PromptTooLong(f"task.prompt_tokens={example['prompt_tokens']} is too short for task.family={example['family']}: "
                           f"its instructions, question and the least context it has (needles, or the shortest list) take {need} tokens; raise task.prompt_tokens")
 
     def _haystack(self, layout: Haystack, ids, tokenizer, budget: int, example: Example) -> tuple[list[int], list[int]]:
