@@ -70,8 +70,8 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def plot_compression(rows: list[dict], path: Path) -> None:
-    """Score against compression, a line per policy, a panel per (family, length); cells of one family merged (their n
-    in the legend when they differ)."""
+    """Score against compression, a line per policy, a panel per (family, length) with more than one compression;
+    cells of one family merged (their n in the legend when they differ)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,13 +83,17 @@ def plot_compression(rows: list[dict], path: Path) -> None:
         for name, r in cell["results"].items():
             policy, _, c = name.partition("@")
             s = r["summary"]
-            lines.setdefault(policy, {})[float(c or 0.0)] = (s["ruler"], s["ruler_stderr"], cell["n"])
+            points = lines.setdefault(policy, {})
+            x = float(c or 0.0)
+            if x not in points or points[x][2] < cell["n"]:  # the larger sample where two cells share a point
+                points[x] = (s["ruler"], s["ruler_stderr"], cell["n"])
+    panels = {k: v for k, v in panels.items() if any(len(p) > 1 for name, p in v.items() if name != "dense")}
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.3), sharey=True, squeeze=False)
     for ax, ((name, tokens), lines) in zip(axes[0], panels.items()):
         dense = lines.pop("dense", {})
         if dense:
             mean = sum(v[0] for v in dense.values()) / len(dense)
-            ax.axhline(mean, color="0.3", ls="--", label="dense")
+            ax.axhline(mean, color="0.3", ls="--", label=f"dense (n {max(v[2] for v in dense.values())})")
         for policy, points in lines.items():
             xs = sorted(points)
             ax.errorbar(xs, [points[x][0] for x in xs], yerr=[points[x][1] for x in xs], marker="o", capsize=3,
