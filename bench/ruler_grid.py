@@ -41,7 +41,11 @@ def main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     done = json.loads(args.json.read_text()) if args.json and args.json.is_file() else []
     policies = args.policies.split(",")
-    tmp = tempfile.mkdtemp(prefix="ruler_grid_")
+    with tempfile.TemporaryDirectory(prefix="ruler_grid_") as tmp:  # the composed config's run_dir, removed at the end
+        return run_cells(args, overrides, done, policies, tmp)
+
+
+def run_cells(args, overrides: list[str], done: list[dict], policies: list[str], tmp: str) -> int:
     for spec in args.family:
         family, _, haystack = spec.partition(":")
         for tokens in args.tokens:
