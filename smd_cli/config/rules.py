@@ -169,6 +169,7 @@ ADAPTIVE_COMPRESSION = Rule(lambda v: v == "adaptive" or COMPRESSION(v), "a frac
                             "or adaptive (chosen per step to hold the agreement's 5th percentile: adaptive.*, smd_cli/rollout/adaptive.py)")
 FIELD_INT = integer(1, "(a field of the model's transformers config)")
 TOKEN_ID = integer(0, "(a token id)", null="none")
+RULER_FAMILIES = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")  # smd_cli/tasks/ruler_families.py
 TASK_FIELDS: dict[str, Rule] = {  # task.*, and the same fields under model.warmstart.task.*
     "_target_": text("a task class path, e.g. smd_cli.tasks.gsm8k.GSM8K"),
     "data_files": Rule(_data_files, "null (the Hub), a file path, a non-empty list of paths, or {split: path(s)}"),
@@ -185,7 +186,12 @@ TASK_FIELDS: dict[str, Rule] = {  # task.*, and the same fields under model.warm
     "majority": integer(1),
     "depth": real(0, 1, text="a fraction in [0, 1] of the haystack before the key", null="drawn per example"),
     "key_digits": Rule(lambda v: _int(v) and 1 <= v <= 12, "an integer in [1, 12]"),
-    "haystack": one_of("filler", "govreport"),
+    "haystack": one_of("filler", "govreport", "essay", "noise", "needle", null="the family's first (task=ruler)",
+                       text="filler or govreport (passkey); essay, noise or needle (ruler, by family)"),
+    "family": one_of(*RULER_FAMILIES),
+    **{k: integer(1, "(task=ruler; a setting of some families only)", null="the family's") for k in
+       ("num_keys", "num_values", "num_queries", "num_chains", "num_hops")},
+    "chat_template": flag("true (the model's chat template, if it has one) or false (RULER's raw text)"),
     "haystack_file": text("a jsonl file of reports (field input or report)", null="none: haystack=filler"),
     "paper": mapping("a mapping of the paper's settings (recorded, not used)", null="none"),
 }
