@@ -29,7 +29,7 @@ def test_the_config_tree_is_what_we_think():
     assert sorted(groups) == ["algo", "eviction", "model", "optim", "scale", "task"]
     assert sorted(groups["algo"]) == ["dense", "icepop", "mis", "naive_sparse", "smd", "sparse_rl", "tis", "trm"]
     assert sorted(groups["eviction"]) == ["h2o", "knorm", "none", "random", "recent", "snapkv"]
-    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "passkey", "tldr", "vote"]
+    assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "passkey", "ruler", "tldr", "vote"]
     assert sorted(groups["model"]) == ["hub", "qwen3_4b", "qwen3_4b_random", "smollm2_135m", "tiny"]
     assert sorted(groups["scale"]) == ["paper", "small", "tiny"]
     assert len(GROUP_FILES) == 32  # 8 algo + 6 eviction + 8 task + 5 model + 2 optim + 3 scale
