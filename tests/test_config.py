@@ -32,7 +32,7 @@ def test_the_config_tree_is_what_we_think():
     assert sorted(groups["task"]) == ["govreport", "gsm8k", "hotpotqa", "multi_needle", "needle", "passkey", "ruler", "tldr", "vote"]
     assert sorted(groups["model"]) == ["hub", "qwen3_4b", "qwen3_4b_random", "smollm2_135m", "tiny"]
     assert sorted(groups["scale"]) == ["paper", "small", "tiny"]
-    assert len(GROUP_FILES) == 32  # 8 algo + 6 eviction + 8 task + 5 model + 2 optim + 3 scale
+    assert len(GROUP_FILES) == 33  # 8 algo + 6 eviction + 9 task + 5 model + 2 optim + 3 scale
     assert RECIPES == ["ablate_compression", "ablate_lambda", "ablate_selection", "govreport", "gsm8k", "hotpotqa", "main_table",
                        "paper_ablate_compression", "paper_ablate_lambda", "paper_ablate_selection", "paper_main_table", "small_ablate_compression",
                        "small_ablate_lambda", "small_ablate_selection", "small_main_table", "tiny_naive_sparse", "tiny_smd", "tldr"]
