@@ -8,6 +8,7 @@ Recipes live in `recipes/` and are registered as the config group `recipe`.
 from __future__ import annotations
 
 import errno
+import os
 import importlib
 import sys
 import tempfile
@@ -61,27 +62,23 @@ def sweep_arguments(args: list[str]) -> list[str]:
 def run_dir_problem(path: Path) -> str | None:
     """Why `path` cannot be a run directory (None when it can): an existing file, a path under a file, a place
     where no directory can be made (/proc), or one that cannot be written (a read-only mount, no permission).
-    Tried by making it and a file in it; what the try made is removed again (Hydra makes the directory itself,
-    and a command line it then refuses leaves nothing behind)."""
+    Tried by writing a temporary file in it, or, when it does not exist yet, a temporary folder in its nearest existing
+    ancestor: `path` itself is neither made nor removed here (Hydra makes it; under torchrun every rank does, and a
+    rank that removed an empty `path` again once took it from under another rank's log file)."""
     if path.exists() and not path.is_dir():
         return "it is an existing file, not a directory"
-    ancestor, made = path, []
+    ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
-        made.append(ancestor)
         ancestor = ancestor.parent
-    if ancestor.exists() and not ancestor.is_dir():
+    if not ancestor.is_dir():
         return f"{ancestor} is a file, so nothing can be created under it"
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path).close()
+        if ancestor == path:
+            tempfile.TemporaryFile(dir=path).close()
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=ancestor, prefix=".smd-probe-"))
     except OSError as err:
         return f"a run directory must be a folder smd can create and write to ({err.strerror or err})"
-    finally:
-        for folder in made:  # deepest first; one another process has written to meanwhile is not empty: kept
-            try:
-                folder.rmdir()
-            except OSError:
-                break
     return None
 
 

@@ -73,6 +73,21 @@ def test_a_usable_run_directory_is_tried_and_left_for_hydra_to_make(tmp_path, ca
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_try_never_removes_a_run_directory_another_rank_made_meanwhile(tmp_path, monkeypatch):
+    """Under torchrun every rank tries the run directory while Hydra makes it in the others: a rank that removed the
+    (still empty) directory it had made for its try once took it from under another rank's log file."""
+    import tempfile
+
+    from smd_cli.cli import run_dir_problem
+
+    run = tmp_path / "a" / "b"
+    for name in ("mkdtemp", "TemporaryFile"):  # whichever the try uses, another rank's Hydra makes `run` during it
+        real = getattr(tempfile, name)
+        monkeypatch.setattr(tempfile, name, lambda *a, _real=real, **k: (run.mkdir(parents=True, exist_ok=True), _real(*a, **k))[1])
+    assert run_dir_problem(run) is None
+    assert run.is_dir() and list(run.iterdir()) == []
+
+
 def test_an_added_key_no_stage_reads_is_warned_about_with_the_closest_known_key(tmp_path, capsys):
     assert smd("train", "+sampling.topk=5", "+task.size={test:3}", "+recipe=tiny_smd", "lambda=abc", f"hydra.run.dir={tmp_path}") == 2
     assert said(capsys) == ("warning: +sampling.topk=5 sets a key no stage reads; did you mean sampling.top_k? "

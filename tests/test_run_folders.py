@@ -176,7 +176,7 @@ time.sleep(30)
 
 
 @pytest.mark.parametrize("runner", ["sweep", "reproduce"])
-def test_ctrl_c_gives_a_child_the_time_to_say_where_it_stopped(tmp_path, runner):
+def test_ctrl_c_gives_a_child_the_time_to_say_where_it_stopped(tmp_path, runner, request):
     """Ctrl-C reaches the whole process group: `smd ablate` (and `smd reproduce`) wait for the member (the sweep) to
     write its status and its one line, which lands in its console.log, instead of killing it at once."""
     import signal
@@ -188,14 +188,20 @@ def test_ctrl_c_gives_a_child_the_time_to_say_where_it_stopped(tmp_path, runner)
 
     command = [sys.executable, "-c", CHILD, str(tmp_path)]
 
+    main = threading.main_thread().ident
+
     def ctrl_c():  # as the terminal does: SIGINT to the child and to this process, once the child is ready
         deadline = time.time() + 60
         while not (tmp_path / "ready").exists() and time.time() < deadline:
             time.sleep(0.02)
         for pid in subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split():
             os.kill(int(pid), signal.SIGINT)
-        os.kill(os.getpid(), signal.SIGINT)
+        # to the main thread itself: a signal sent to the process may land on this thread, leaving the main one blocked in
+        # its wait (it then finished normally in one suite run)
+        signal.pthread_kill(main, signal.SIGINT)
 
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever an earlier test left
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     threading.Thread(target=ctrl_c, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         if runner == "sweep":
