@@ -12,6 +12,9 @@ recompute receives again:
 | `shadow=Replay`              | the learner's replay of a shadow mask (`smd_cli.attention.shadow`)              |
 | neither                      | dense causal attention with left padding (`smd_cli.attention.kernels`)          |
 
+and `prompt_rows=True` marks a forward of prompts alone (a prefill, the learner's prompts computed once): its
+attention is never widened (`kernels.causal`), since every forward of a prompt sums it in the same order.
+
 and, for forwards that run the response rows apart from their prompt (SMD's dense teacher; the learner that
 computes each prompt once for its G samples, `smd_cli.learner.forward`): `prompt_tap=PromptTap` makes a layer hand over
 its prompt keys and values once (armed per layer, so a checkpoint recompute does not), and
@@ -38,14 +41,15 @@ from smd_cli.attention.shadow import replay, replay_rows
 ATTENTION = "smd"
 
 
-def dense(query, key, value, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def dense(query, key, value, attention_mask: torch.Tensor | None, scaling: float, prompt_rows: bool = False) -> torch.Tensor:
     """Causal attention of q new tokens over S keys (the last q of them are the new tokens themselves),
-    with a 2-D padding mask [B, S] or None. Full sequences take the mask-free causal kernel; decode steps
-    (and any q < S) mask padding keys with the query groups folded. Returns [B, H, q, D]."""
+    with a 2-D padding mask [B, S] or None. Full sequences take the mask-free causal kernel (not widened when they are
+    `prompt_rows`, a prefill); decode steps (and any q < S) mask padding keys with the query groups folded.
+    Returns [B, H, q, D]."""
     rows, width = query.shape[2], key.shape[2]
     if rows == width:
         pad = None if attention_mask is None else kernels.left_padding(attention_mask)
-        return kernels.causal(query, key, value, scaling, pad)
+        return kernels.causal(query, key, value, scaling, pad, widen=not prompt_rows)
     columns = torch.arange(width, device=query.device)
     mask = columns <= torch.arange(width - rows, width, device=query.device)[:, None]  # [q, S] causal
     mask = mask[None, None] if attention_mask is None else mask[None, None] & attention_mask.bool()[:, None, None, :]
@@ -99,7 +103,7 @@ def _attend(module, query, key, value, attention_mask, scaling, shadow, kwargs) 
             return replay_rows(module.layer_idx, query, key, value, scaling, shadow)
     elif shadow is not None:
         return replay(module.layer_idx, query, key, value, scaling, shadow)
-    return dense(query, key, value, attention_mask, scaling)
+    return dense(query, key, value, attention_mask, scaling, bool(kwargs.get("prompt_rows")))
 
 
 def _padding_mask(batch_size=None, q_length=None, kv_length=None, q_offset=0, kv_offset=0, mask_function=None,

@@ -95,10 +95,10 @@ class RolloutState:
 def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
     width = state.prompt_width
     if state.groups is None:
-        out = kernels.causal(query, key, value, scaling, state.first_real)
+        out = kernels.causal(query, key, value, scaling, state.first_real, widen=False)
     else:  # the distinct prompts attend once; the policy then scores and keeps per row, as without repeats
         first, owner = state.groups
-        out = kernels.causal(query, key, value, scaling, state.first_real[first])
+        out = kernels.causal(query, key, value, scaling, state.first_real[first], widen=False)
         query, key, value = query[owner], key[owner], value[owner]
     view = PrefillView(query=query, key=key, key_real=state.key_real, scaling=scaling, layer_idx=layer)
     chosen = state.policy.select_prefill(view, state.budget)

@@ -18,7 +18,10 @@ Shapes: query [B, H, q, D], key/value [B, Hkv, S, D], H = G * Hkv with query hea
 `widened(dtype)` runs `causal` and `grouped` in a wider dtype than their inputs' (`model.attention_dtype`): the
 sampler's decode step and the learner's full-sequence replay sum the same scores in different orders, and in
 float32 that difference, grown through SmolLM2's 30 layers, was 2.5e-6 of a log-prob on 4 rows (with `row_floor`); in
-float64, the learner's log-probs were the sampler's bit for bit.
+float64, the learner's log-probs were the sampler's bit for bit. A prompt's rows are the exception (`causal(...,
+widen=False)`): the sampler's prefill and the learner's prompt rows run this same kernel on the same [rows, P] shape,
+so their sums come in one order and need no widening; that is most of a long prompt's attention (a float64 prefill
+took 1.35x a float32 one for SmolLM2 at 1024 tokens).
 """
 
 from __future__ import annotations
@@ -49,8 +52,8 @@ def widening(dtype: torch.dtype) -> torch.dtype | None:
     return None if wide is None or torch.promote_types(dtype, wide) == dtype else wide
 
 
-def _sdpa(query, key, value, **kwargs) -> torch.Tensor:
-    wide = widening(query.dtype)
+def _sdpa(query, key, value, widen: bool = True, **kwargs) -> torch.Tensor:
+    wide = widening(query.dtype) if widen else None
     if wide is None:
         return F.scaled_dot_product_attention(query, key, value, **kwargs)
     return F.scaled_dot_product_attention(query.to(wide), key.to(wide), value.to(wide), **kwargs).to(query.dtype)
@@ -66,20 +69,21 @@ def _roll(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
 
 
-def causal(query, key, value, scaling: float, left_pad: torch.Tensor | None = None) -> torch.Tensor:
+def causal(query, key, value, scaling: float, left_pad: torch.Tensor | None = None, widen: bool = True) -> torch.Tensor:
     """Causal self-attention over a full sequence whose rows carry `left_pad` [B] padding columns first.
 
     Real tokens see exactly the real tokens at or before them; a padding query sees the real tokens and
-    itself (its output is never used, and stays finite). Returns [B, H, T, D]."""
+    itself (its output is never used, and stays finite). `widen=False`: in the inputs' dtype under `widened` too
+    (a prompt's rows, which every forward computes alike). Returns [B, H, T, D]."""
     gqa = query.shape[1] != key.shape[1]
     # Skipping the roll when no row is padded reads `left_pad` on the host: free on the CPU, a stall per layer
     # on a GPU, where the roll (a gather, linear in T) is always done instead.
     if left_pad is None or (query.device.type == "cpu" and not bool(left_pad.any())):
-        return _sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return _sdpa(query, key, value, widen, is_causal=True, scale=scaling, enable_gqa=gqa)
     width = query.shape[2]
     columns = torch.arange(width, device=query.device)
     rolled = (columns + left_pad[:, None]) % width  # [B, T]: rolled column -> original column
-    out = _sdpa(_roll(query, rolled), _roll(key, rolled), _roll(value, rolled),
+    out = _sdpa(_roll(query, rolled), _roll(key, rolled), _roll(value, rolled), widen,
                 is_causal=True, scale=scaling, enable_gqa=gqa)
     return _roll(out, (columns - left_pad[:, None]) % width)
 

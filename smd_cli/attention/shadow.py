@@ -183,7 +183,7 @@ def replay(layer: int, query, key, value, scaling: float, shadow: Replay) -> tor
     pieces = []
     if prompt_length > 0:
         pieces.append(kernels.causal(query[:, :, :prompt_length], key[:, :, :prompt_length], value[:, :, :prompt_length],
-                                     scaling, shadow.left_pad))
+                                     scaling, shadow.left_pad, widen=False))  # as the sampler's prefill computed them
     if prompt_length < width:  # the response rows: decode steps, which read the (quantised) cache
         rows = query[:, :, prompt_length:]
         pieces.append(_sdpa_rows(layer, rows, key, value, scaling, shadow) if shadow.quant is None else

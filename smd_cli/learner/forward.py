@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from smd_cli.attention.dispatch import PromptTap, use_smd_attention
 from smd_cli.attention.kv_quant import CacheReads
-from smd_cli.attention.shadow import Replay, check_evict_at, position_ids_from_mask
+from smd_cli.attention.shadow import Replay, check_evict_at, none_evicted, position_ids_from_mask
 from smd_cli.model import row_floor
 from smd_cli.rollout import sampling
 from smd_cli.rollout.sampler import prompt_groups
@@ -56,11 +56,20 @@ def response_hidden(model, input_ids, attention_mask, prompt_length: int, evict_
     if groups is not None:
         return shared_prompt_views(model, input_ids, attention_mask, prompt_length, groups, [(evict_at, True)], backend, quant)[0]
     extra = {}
+    if evict_at is None and getattr(model.config, "smd_attention_dtype", None):  # widened attention: the prompt rows apart, as
+        evict_at = none_evicted_at(model.config, attention_mask)                 # the sampler's prefill computed them (`replay`)
     if evict_at is not None:
         extra["shadow"] = Replay.of(evict_at, attention_mask, prompt_length, backend, quant)
     out = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
                            use_cache=False, **extra)
     return out.last_hidden_state[:, prompt_length - 1 : -1]  # [B, R, Hd]
+
+
+def none_evicted_at(config, attention_mask) -> torch.Tensor:
+    """The shadow mask [B, L, Hkv, T] of a dense rollout (nothing evicted; `shadow.none_evicted`)."""
+    rows, width = attention_mask.shape
+    shape = (rows, config.num_hidden_layers, config.num_key_value_heads, width)
+    return none_evicted(torch.empty(shape, dtype=torch.int32, device=attention_mask.device), attention_mask)
 
 
 def shadow_and_teacher_hidden(model, input_ids, attention_mask, prompt_length: int, evict_at, backend: str = "auto",
@@ -158,7 +167,7 @@ def _prompt_then_rows(layer, hidden, *rows, context):
     c = context
     tap = PromptTap(c["P"], armed=True, keep_grad=True)
     hidden = layer.forward(hidden, attention_mask=c["prompt_mask"], position_embeddings=c["rotary"], position_ids=c["prompt_positions"],
-                           prompt_tap=tap)
+                           prompt_tap=tap, prompt_rows=True)
     key, value = tap.take()  # [U, Hkv, P, D]: each distinct prompt's, expanded to its rows by the attention
     positions, owner, out = c["positions"][:, c["P"]:], c["owner"], []
     for response, grad, replay in zip(rows, c["grads"], c["replays"]):

@@ -60,14 +60,12 @@ def physical_response_logits(model, input_ids, attention_mask, prompt_length: in
     for start, stop in zip(bounds[:-1], bounds[1:]):
         query_columns = torch.arange(start, stop, device=input_ids.device)
         key_columns = [torch.cat([c, query_columns.expand(rows, kv_heads, -1)], dim=-1) for c in columns]
-        out = model(
-            input_ids=input_ids[:, start:stop],
-            position_ids=position_ids[:, start:stop],
-            **cache_argument(model, cache),
-            use_cache=True,
-            logits_to_keep=1 if start == 0 else 0,
-            shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns, quant=quant if start else None),
-        )
+        if start == 0:  # the prefill, as the sampler ran it: plain causal attention over the padded prompts (`prompt_rows`)
+            view = dict(attention_mask=attention_mask[:, :stop], prompt_rows=True, logits_to_keep=1)
+        else:
+            view = dict(shadow=Replay(evict_at, key_columns=key_columns, query_columns=query_columns, quant=quant), logits_to_keep=0)
+        out = model(input_ids=input_ids[:, start:stop], position_ids=position_ids[:, start:stop], **cache_argument(model, cache),
+                    use_cache=True, **view)
         pieces.append(out.logits)  # prefill: [N, 1, V] at P - 1; then [N, stop - start, V]
         columns = [compact(cache.layers[l], key_columns[l], evict_at[:, l], stop) for l in range(layers)]
     return torch.cat(pieces, dim=1)  # [N, R, V]

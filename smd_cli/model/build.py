@@ -233,8 +233,8 @@ def fixed_weights(model):
 
 
 def set_attention_dtype(model, name: str | None) -> None:
-    """Attend in dtype `name` (`kernels.widened`: every SDPA of the smd attention, the rollout's and the learner's;
-    the compiled flex replay gives way to SDPA); None: in the compute dtype. Set on the config, where the attention
+    """Attend in dtype `name` (`kernels.widened`: every SDPA of the smd attention, the rollout's and the learner's, but a
+    prompt's own rows, which every forward sums alike; the compiled flex replay gives way to SDPA); None: in the compute dtype. Set on the config, where the attention
     reads it, and set or cleared by every loader, so that a checkpoint's saved value never carries over."""
     if name is None:
         model.config.__dict__.pop("smd_attention_dtype", None)

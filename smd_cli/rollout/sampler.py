@@ -221,7 +221,7 @@ class _Run:
             feed = dict(input_ids=self.feed_ids, position_ids=self.feed_positions)
         if self.state is None:
             feed["attention_mask"] = self.attention_mask[prefill_rows, :column]
-            logits = model(**feed, **cache_argument(model, self.cache), use_cache=True, logits_to_keep=1).logits[:, -1]
+            logits = model(**feed, **cache_argument(model, self.cache), use_cache=True, logits_to_keep=1, prompt_rows=step == 0).logits[:, -1]
             if step == 0 and self.groups is not None:  # every sample of a prompt continues from its prefill's cache
                 for layer in self.cache.layers:
                     layer.keys, layer.values = layer.keys[self.groups[1]], layer.values[self.groups[1]]
