@@ -154,3 +154,37 @@ def test_every_eviction_yaml_instantiates_its_policy():
         if path.stem != "none":
             assert policy.compression == 0.25, path
     assert instantiate(OmegaConf.merge({"compression": 0.5, "seed": 3}, {"e": OmegaConf.load(CONF / "random.yaml")}).e).seed == 3
+
+
+@pytest.mark.parametrize("make", [lambda: H2O(0.5, window=4), lambda: SnapKV(0.5, sink=2, window=4), lambda: KNorm(0.5, window=4)],
+                         ids=["h2o", "snapkv", "knorm"])
+def test_a_prompt_its_samples_repeat_is_chosen_once_and_the_rollout_is_the_same(make):
+    """A policy whose prefill choice depends on the prompt alone scores each distinct prompt once; the rollout (tokens,
+    log-probs, shadow mask) is the one that scores every row, and a random policy still scores every row."""
+    from smd_cli.eviction.random import RandomEviction
+    from smd_cli.model.build import build_tiny_model
+    from smd_cli.rollout.sampler import generate
+
+    model = build_tiny_model(300, seed=0, num_hidden_layers=2).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [p for n in (40, 29) for p in [torch.randint(3, 300, (n,), generator=generator).tolist()] * 3]  # 2 prompts x 3
+    rows_scored = []
+
+    def rollout(policy):
+        real = policy.select_prefill
+        policy.select_prefill = lambda view, budget: (rows_scored.append(view.key.shape[0]), real(view, budget))[1]
+        return generate(model, prompts, policy=policy, max_new_tokens=6, generator=torch.Generator().manual_seed(1), eos_token_id=-1,
+                        pad_token_id=0, measure_dense_kv=False)
+
+    once = rollout(make())
+    assert rows_scored == [2, 2]  # one choice per distinct prompt, per layer
+    every_row = make()
+    every_row.prefill_per_prompt = False
+    rows_scored.clear()
+    per_row = rollout(every_row)
+    assert rows_scored == [6, 6]
+    assert torch.equal(once.input_ids, per_row.input_ids) and torch.equal(once.logprobs, per_row.logprobs)
+    assert torch.equal(once.evict_at, per_row.evict_at)
+    rows_scored.clear()
+    rollout(RandomEviction(0.5, window=4))
+    assert rows_scored == [6, 6]

@@ -6,9 +6,9 @@ state (`key_real`), and slots are masked by validity.
 
 Prefill (the whole padded prompt, one layer at a time): causal attention through the mask-free causal
 kernel (`kernels.causal`; a prompt that several rows repeat, GRPO's G samples, runs once and its keys and
-values are handed to each of its rows), then the policy scores, per row, what it needs (SnapKV only the
-observation-window rows, H2O column sums in chunks; per row, so that a random policy still draws for every
-row) and the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
+values are handed to each of its rows), then the policy scores what it needs (SnapKV only the
+observation-window rows, H2O column sums in chunks): once a distinct prompt when its choice depends on the prompt
+alone (`prefill_per_prompt`), else per row (a random policy still draws for every row), and the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
 valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
 or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
 column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
@@ -30,7 +30,7 @@ import torch
 
 from smd_cli.attention import kernels, kv_quant
 from smd_cli.attention.kv_cache import FREE, EvictingCache
-from smd_cli.attention.policy import EvictionPolicy, PrefillView
+from smd_cli.attention.policy import EvictionPolicy, PrefillView, Selection
 from smd_cli.attention.shadow import NEVER
 
 
@@ -96,19 +96,23 @@ def _prefill(layer: int, query, key, value, scaling, state: RolloutState):
     width = state.prompt_width
     if state.groups is None:
         out = kernels.causal(query, key, value, scaling, state.first_real, widen=False)
-    else:  # the distinct prompts attend once; the policy then scores and keeps per row, as without repeats
+        chosen = state.policy.select_prefill(PrefillView(query, key, state.key_real, scaling, layer), state.budget)
+    else:  # the distinct prompts attend once; the policy chooses once a prompt where it can, else per row as without repeats
         first, owner = state.groups
         out = kernels.causal(query, key, value, scaling, state.first_real[first], widen=False)
-        query, key, value = query[owner], key[owner], value[owner]
-    view = PrefillView(query=query, key=key, key_real=state.key_real, scaling=scaling, layer_idx=layer)
-    chosen = state.policy.select_prefill(view, state.budget)
+        if state.policy.prefill_per_prompt:
+            once = state.policy.select_prefill(PrefillView(query, key, state.key_real[first], scaling, layer), state.budget[first])
+            chosen = Selection(once.index[owner], once.ok[owner], once.scores[owner])
+        else:
+            chosen = state.policy.select_prefill(PrefillView(query[owner], key[owner], state.key_real, scaling, layer), state.budget)
+        key, value = key[owner], value[owner]
     state.cache.layers[layer].fill(key, value, chosen.index, chosen.ok, chosen.scores)
     target = torch.where(chosen.ok, chosen.index, width)  # padding of short rows goes to a spare column
     kept = torch.zeros(key.shape[:2] + (width + 1,), dtype=torch.bool, device=key.device).scatter_(-1, target, True)[..., :width]  # [N, Hkv, P]
     real = state.key_real[:, None, :].expand_as(kept)
     state.evict_at[:, layer, :, :width] = torch.where(real & ~kept, width, torch.where(real, NEVER, 0)).to(torch.int32)
     if state.visibility is not None:
-        state.visibility[:, layer, :, :width, :width] = view.mask()
+        state.visibility[:, layer, :, :width, :width] = PrefillView(query, key, state.key_real, scaling, layer).mask()
     state.entries[:1].add_(chosen.ok.sum())
     return out
 

@@ -76,6 +76,10 @@ class EvictionPolicy:
     """Base class: decide per (layer, KV head) which KV entries to drop. Subclasses implement the scores."""
 
     decode_time: bool = False  # True for policies that also evict while generating
+    # True for policies whose prefill choice is a function of the prompt alone (no random draw): the rows that repeat a
+    # prompt (GRPO's G samples) then get one choice, computed once per distinct prompt (H2O's full attention map at
+    # 1024 tokens was most of its rollout when scored for every row). False (the default) scores every row.
+    prefill_per_prompt: bool = False
 
     def __init__(self, compression: float = 0.5, sink: int = 4, window: int = 16):
         if not 0.0 <= compression < 1.0:

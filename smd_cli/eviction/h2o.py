@@ -16,6 +16,7 @@ class H2O(EvictionPolicy):
     """Accumulated attention; budget = heavy hitters + `window` recent entries."""
 
     decode_time = True
+    prefill_per_prompt = True
 
     def __init__(self, compression: float = 0.5, sink: int = 0, window: int = 16, chunk: int | None = None):
         super().__init__(compression, sink, window)

@@ -11,5 +11,7 @@ from smd_cli.attention.policy import EvictionPolicy, PrefillView
 class KNorm(EvictionPolicy):
     """Score = -||k||, per KV head."""
 
+    prefill_per_prompt = True
+
     def prefill_scores(self, view: PrefillView) -> torch.Tensor:
         return -view.key.float().norm(dim=-1)  # [B, Hkv, P]

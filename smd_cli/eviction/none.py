@@ -10,6 +10,8 @@ from smd_cli.attention.policy import EvictionPolicy, PrefillView
 class KeepAll(EvictionPolicy):
     """Keeps everything; its shadow mask never hides a real key, so replay equals the dense forward."""
 
+    prefill_per_prompt = True
+
     def __init__(self, compression: float = 0.0, sink: int = 0, window: int = 0):
         """The budget settings are accepted (a recipe's `eviction.window` with `algo=dense`) and ignored."""
         super().__init__(compression=0.0, sink=0, window=0)

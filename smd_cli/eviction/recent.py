@@ -14,6 +14,8 @@ from smd_cli.attention.policy import EvictionPolicy, PrefillView
 class Recent(EvictionPolicy):
     """Keeps the first `sink` tokens and the newest `k - sink` ones (the score is the position)."""
 
+    prefill_per_prompt = True
+
     def prefill_scores(self, view: PrefillView) -> torch.Tensor:
         batch, kv_heads, width = view.key.shape[:3]
         position = torch.arange(width, device=view.key.device, dtype=torch.float32)

@@ -18,6 +18,8 @@ from smd_cli.attention.policy import EvictionPolicy, PrefillView
 class SnapKV(EvictionPolicy):
     """Observation-window attention, summed over the window, average-pooled with `kernel`."""
 
+    prefill_per_prompt = True
+
     def __init__(self, compression: float = 0.5, sink: int = 4, window: int = 16, kernel: int = 5, recompress_every: int = 0):
         super().__init__(compression, sink, window)
         if kernel < 1 or kernel % 2 == 0:
