@@ -51,11 +51,11 @@ QUICK ?=
 reproduce: install ## the paper's tables and ablations, then results/reproduce/REPORT.md (SCALE=paper: GPU + Hub; SCALE=small: SmolLM2 RL on the CPU; QUICK=1: minutes)
 	$(if $(filter paper,$(SCALE)),HF_HUB_OFFLINE=$(or $(PAPER_HUB_OFFLINE),0)) $(BIN)/smd reproduce $(if $(filter paper,$(SCALE)),paper=true) $(if $(filter small,$(SCALE)),small=true) $(if $(QUICK),quick=true) $(ARGS)
 
-bench: install ## benchmarks: ratios measured side by side in one run (not gpu_check.sh: GPU; not algorithms_table.py and adaptive_frontier.py: reports over runs; not step_profile.py: a profile; not bf16_cpu.py: 20 min of SmolLM2; not ruler_grid.py and ruler_report.py: results/ruler_calibration.md, by hand; not kvpress_peer.py and real_model.py: make bench-kvpress, results/real_model_cpu.md)
+bench: install ## benchmarks: ratios measured side by side in one run (not gpu_check.sh: GPU; not algorithms_table.py and adaptive_frontier.py: reports over runs; not step_profile.py: a profile; not bf16_cpu.py: 20 min of SmolLM2; not long_prompt_rollout.py: 40 min at 1k-2k tokens, results/long_prompt.md; not ruler_grid.py and ruler_report.py: results/ruler_calibration.md, by hand; not kvpress_peer.py and real_model.py: make bench-kvpress, results/real_model_cpu.md)
 	@# the [bench] extra (TRL, for bench/peer_trl.py), never replacing the installed torch or transformers
 	$(BIN)/python -c 'import torch, transformers; print(f"torch=={torch.__version__}\ntransformers=={transformers.__version__}")' > $(VENV)/bench-constraints.txt
 	$(BIN)/pip install --quiet -c $(VENV)/bench-constraints.txt -e ".[bench]"
-	@for b in $(filter-out bench/gpu_check.py bench/algorithms_table.py bench/kvpress_peer.py bench/real_model.py bench/adaptive_frontier.py bench/step_profile.py bench/bf16_cpu.py bench/ruler_grid.py bench/ruler_report.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+	@for b in $(filter-out bench/gpu_check.py bench/algorithms_table.py bench/kvpress_peer.py bench/real_model.py bench/adaptive_frontier.py bench/step_profile.py bench/bf16_cpu.py bench/long_prompt_rollout.py bench/ruler_grid.py bench/ruler_report.py,$(wildcard bench/*.py)); do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 KVPRESS_VENV := .venv-kvpress
 $(KVPRESS_VENV)/.installed: Makefile

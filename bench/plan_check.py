@@ -10,6 +10,8 @@ Prints predicted / measured per phase, and the learner's SMD / naive_sparse dyna
     python bench/plan_check.py                      # the suite's sizes (small widths, fast)
     python bench/plan_check.py --paper              # the paper's widths and vocabulary, 2 layers (~15 minutes);
                                                     # also the rollout peak's growth with P (no [P, P] term)
+    python bench/plan_check.py --long               # SmolLM2-135M's widths (4 layers) at P = 1024, 2048, 4096: the learner's
+                                                    # SMD / naive_sparse ratio and the planner's error at long prompts
     python bench/plan_check.py --json out.json
 """
 
@@ -42,6 +44,9 @@ SMALL = [
     (1, 128, 64, 1, dict(hidden=256, intermediate=768, heads=4, kv_heads=2, head_dim=64, vocab=32768)),  # one row: the CPU's padded head
 ]
 PAPER_SIZES = [(2, 1024, 64, 4, PAPER)]
+# SmolLM2-135M's widths and vocabulary, 4 of its 30 layers (memory per layer is what grows with P), at long prompts
+SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152)
+LONG_SIZES = [(4, P, 64, 4, SMOLLM2) for P in (1024, 2048, 4096)]
 WINDOW, SINK = 16, 4
 
 
@@ -119,14 +124,32 @@ def prefill_scaling(widths: dict, rows: int = 4, prompts=(512, 1024, 2048)) -> d
             "a_float_P_by_P_mask_per_layer_would_be": 4.0 * rows}
 
 
+def learner_scaling(results: list[dict]) -> dict:
+    """Each learner's measured peak per token of T = P + R at each size, and its growth from one size to the next
+    against T's: linear memory grows as T does (a little less: fixed terms), a [T, T] term per layer would grow as T^2."""
+    widths = [int(r["size"].split(" P")[1].split()[0]) + int(r["size"].split(" R")[1].split()[0]) for r in results]
+    out = {"widths": widths, "t_growth": [b / a for a, b in zip(widths, widths[1:])]}
+    for name in ("naive_sparse", "smd"):
+        peaks = [r["measured"][f"learner {name}"] for r in results]
+        out[name] = {"bytes_per_token": [p / t for p, t in zip(peaks, widths)], "growth": [b / a for a, b in zip(peaks, peaks[1:])]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--paper", action="store_true", help="the paper's widths and vocabulary, 2 layers")
+    parser.add_argument("--long", action="store_true", help="SmolLM2-135M's widths, 4 layers, P = 1024, 2048, 4096 (issue 41 item 2)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = [measure(*size) for size in (PAPER_SIZES if args.paper else SMALL)]
+    results = [measure(*size) for size in (PAPER_SIZES if args.paper else LONG_SIZES if args.long else SMALL)]
+    if args.long:  # the learner's peak against T: linear, or a [T, T] term per layer (growth as T^2)
+        results.append({"learner_scaling": learner_scaling(results)})
+        fit = results[-1]["learner_scaling"]
+        print(f"learner peak at T = {fit['widths']} (T grows {', '.join(f'{g:.2f}x' for g in fit['t_growth'])}): "
+              + "; ".join(f"{k} {', '.join(f'{b / 2**10:.1f}' for b in fit[k]['bytes_per_token'])} KiB a token, grows "
+                          f"{', '.join(f'{g:.2f}x' for g in fit[k]['growth'])}" for k in ("naive_sparse", "smd")))
     if args.paper:
         scaling = prefill_scaling({**PAPER, "vocab": 4096})
         print(f"rollout peak at P = {scaling['prompt_widths']}: {[round(p / 2**20, 1) for p in scaling['rollout_peak_bytes']]} MiB;"
