@@ -147,3 +147,13 @@ def test_cheap_checks_before_the_tokenizer_and_the_data(tmp_path, gsm8k_files):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(ConfigError, match=r"out_dir='.*a_file' is not allowed: a folder \(this path is an existing file\)"):
         stage.run(config(tmp_path, f"out_dir={tmp_path / 'a_file'}", "limit=2"))
+
+
+@pytest.mark.parametrize("task", ["task=passkey task.prompt_tokens=64", "task=ruler task.family=niah_single task.prompt_tokens=512"])
+def test_a_task_built_to_a_length_is_never_called_truncated(tmp_path, task):
+    """Passkey and RULER build each prompt to `prompt_tokens` (its text is not the example's placeholder): nothing was
+    cut, and the summary says 0 truncated (it said every prompt)."""
+    out = tmp_path / "data"
+    summary = stage.run(config(tmp_path, *task.split(), "limit=3", "splits=[test]", "model=tiny", f"out_dir={out}"))
+    assert summary["splits"]["test"]["truncated"] == 0
+    assert [r["truncated"] for r in read_jsonl(out / "test.jsonl")] == [False] * 3

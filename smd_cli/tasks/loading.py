@@ -281,8 +281,9 @@ def prompt_records(task: Task, examples: list[Example], tokenizer) -> list[dict[
             text, ids = task.fit_prompt(example, tokenizer)
         else:
             text, ids = example["prompt"], task.encode_prompt(example, tokenizer)
-        records.append({"id": example["id"], "prompt": text, "prompt_tokens": len(ids),
-                        "truncated": text != example["prompt"], "reference": example["reference"]})
+        cut = text != example["prompt"] and not getattr(task, "built_to_length", False)  # passkey, RULER: built, not cut
+        records.append({"id": example["id"], "prompt": text, "prompt_tokens": len(ids), "truncated": cut,
+                        "reference": example["reference"]})
     return records
 
 

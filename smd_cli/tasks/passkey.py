@@ -47,6 +47,7 @@ class Passkey(Task):
     of haystack."""
 
     name = "passkey"
+    built_to_length = True  # `fit_prompt` builds the prompt to `prompt_tokens`: it never cuts one
 
     def __init__(self, prompt_tokens: int = 256, depth: float | None = None, key_digits: int = 5, haystack: str = "filler",
                  haystack_file: str | None = None, size: dict[str, int] | None = None, seed: int = 0,

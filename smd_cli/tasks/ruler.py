@@ -50,6 +50,7 @@ class Ruler(Task):
     """One RULER family (`family`) at `prompt_tokens` tokens; `haystack` and the `num_*` settings null: the family's."""
 
     name = "ruler"
+    built_to_length = True  # `fit_prompt` builds the prompt to `prompt_tokens`: it never cuts one
 
     def __init__(self, family: str = "niah_single", prompt_tokens: int = 1024, haystack: str | None = None,
                  num_keys: int | None = None, num_values: int | None = None, num_queries: int | None = None,
