@@ -8,8 +8,8 @@ Recipes live in `recipes/` and are registered as the config group `recipe`.
 from __future__ import annotations
 
 import errno
-import os
 import importlib
+import os
 import sys
 import tempfile
 from pathlib import Path

@@ -8,8 +8,9 @@ Prefill (the whole padded prompt, one layer at a time): causal attention through
 kernel (`kernels.causal`; a prompt that several rows repeat, GRPO's G samples, runs once and its keys and
 values are handed to each of its rows), then the policy scores what it needs (SnapKV only the
 observation-window rows, H2O column sums in chunks): once a distinct prompt when its choice depends on the prompt
-alone (`prefill_per_prompt`), else per row (a random policy still draws for every row), and the kept entries are copied into that layer's `EvictingLayer`, before the next layer runs: the full prompt KV of only one layer is ever alive. Decode (one token): attention over the
-valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
+alone (`prefill_per_prompt`), else per row (a random policy still draws for every row), and the kept entries are
+copied into that layer's `EvictingLayer` before the next layer runs: the full prompt KV of only one layer is ever
+alive. Decode (one token): attention over the valid slots with each KV head's query group folded into the query axis (`kernels.grouped`: no copy of K
 or V); decode-time policies then update their slot scores and evict. Every eviction after the query at
 column `i` has attended sets `evict_at[b, l, h, j] = i + 1` (prompt entries dropped at prefill get `P`).
 With an 8-bit cache (`kv.quant`) the prefill attends to the fresh keys and values (as vLLM's prefill does) and the
