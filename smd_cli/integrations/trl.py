@@ -12,7 +12,8 @@ What it changes in TRL, and where (read against trl 1.16's source; `TESTED_TRL` 
   the same seed and step. TRL pads the returned ids as the sampler did (prompts left, completions right), so TRL's
   batch is the rollout's, column for column; the rollout itself (shadow masks, sampler log-probs) stays here and each
   of TRL's rows carries its index (`smd_row`) through TRL's shuffle and split.
-- pi_old: the sampler's log-probs (`old_per_token_logps`), as in `smd train algo=smd`: the learner replays the sampler's
+- pi_old: the sampler's log-probs (`old_per_token_logps`, set in `_generate_and_score_completions`: private; overridden,
+  which also tags each row with its index in the rollout), as in `smd train algo=smd`: the learner replays the sampler's
   policy, so TRL's importance ratio at a batch's first step is exp(replayed - sampler), 1 within the parity bound.
 - the learner's log-probs: `_get_per_token_logps_and_entropies` (private; overridden) scores the rows with the engine's
   `smd_cli.learner.step.scored`: the shadow replay with gradient and, for the loss, the dense teacher without, in one pass.
