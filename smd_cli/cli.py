@@ -167,7 +167,7 @@ def _main(argv: list[str] | None = None) -> None:
 
     import hydra
 
-    from smd_cli.config.checks import ConfigError
+    from smd_cli.config.validation import ConfigError
     from smd_cli.runtime.failures import Interrupted, ParityFailed, TrainingDiverged
     from smd_cli.runtime.integrity import FileTooLarge, Unwritable, WriteFailed, release_all
     from smd_cli.runtime.records import Damaged

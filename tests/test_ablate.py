@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from smd_cli.cli import sweep_arguments
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.report.sweep_tables import write_plot
 from smd_cli.runs import sweep
 from smd_cli.runs.sweep import error_message, failure_reason, parse_sweep, sweep_of

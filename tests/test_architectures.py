@@ -25,7 +25,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.config.factories import build_task
 from smd_cli.runs.model_loading import load_model
 from smd_cli.stages import evaluate, rollout, train

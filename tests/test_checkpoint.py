@@ -11,7 +11,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.corrections import sparse_rl as sparse_rl_correction
 from smd_cli.learner import step as learner
 from smd_cli.runtime import checkpoint as ckpt

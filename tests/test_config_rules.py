@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from smd_cli.cli import CONF_DIR, RECIPES_DIR, register_recipes
 from smd_cli.config import rules
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.stages import ablate, check_parity, evaluate, plan, prepare_data, reproduce, rollout, train
 
 STAGES = {"train": train, "ablate": ablate, "plan": plan, "eval": evaluate, "rollout": rollout, "check_parity": check_parity,

@@ -195,7 +195,7 @@ def test_a_composition_needs_a_known_view_and_distils_only_the_shadow_view():
     (["algo=smd", "sampling.top_k=2.5"], "sampling.top_k=2.5 is not allowed: an integer >= 0"),
 ])
 def test_a_bad_composition_is_a_config_error(tmp_path, overrides, message):
-    from smd_cli.config.checks import ConfigError
+    from smd_cli.config.validation import ConfigError
     from smd_cli.stages import train
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -87,7 +87,7 @@ def test_training_with_the_flex_replay_on_the_cpu_is_refused_at_once():
     from hydra import compose, initialize_config_dir
 
     from smd_cli.cli import CONF_DIR
-    from smd_cli.config.checks import ConfigError
+    from smd_cli.config.validation import ConfigError
     from smd_cli.stages import train
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

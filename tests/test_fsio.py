@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from safetensors import SafetensorError
 
 from smd_cli.cli import CONF_DIR
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.model import weights
 from smd_cli.runs import model_loading, run_dirs, sweep
 from smd_cli.runtime import integrity

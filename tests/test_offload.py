@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from smd_cli.checks.planner import Arch, Run, plan
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.learner.step import Algorithm, learner_step
 from smd_cli.model.build import build_tiny_model
 from smd_cli.model.precision import MasterWeights, build_optimizer

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
 from smd_cli.cli import CONF_DIR, main, register_recipes
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.runs import run_dirs, warm_cache
 from smd_cli.runtime import checkpoint as ckpt
 from smd_cli.runtime import integrity

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.stages import rollout as stage
 
 CONF = Path(__file__).resolve().parents[1] / "conf"

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.model.build import build_tiny_model, build_tiny_tokenizer
 from smd_cli.stages import evaluate as stage
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.model.build import build_tiny_tokenizer
 from smd_cli.stages import prepare_data as stage
 from smd_cli.tasks import govreport, gsm8k

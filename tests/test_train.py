@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from smd_cli.cli import CONF_DIR, register_recipes
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.learner.losses import group_advantages
 from smd_cli.learner.step import Algorithm, learner_step
 from smd_cli.rollout.sampler import generate

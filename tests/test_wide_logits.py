@@ -117,7 +117,7 @@ def test_widening_never_narrows_and_is_refused_on_cuda(tmp_path):
     from omegaconf import OmegaConf
 
     from smd_cli.attention import kernels
-    from smd_cli.config.checks import ConfigError
+    from smd_cli.config.validation import ConfigError
     from smd_cli.runs.model_loading import check_precision, set_precision
 
     model = tiny("float32").double()

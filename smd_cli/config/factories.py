@@ -10,7 +10,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.config.checks import ROOT, ConfigError, check, root_cause, to_dict
+from smd_cli.config.validation import ROOT, ConfigError, check, root_cause, to_dict
 from smd_cli.corrections.base import Correction
 
 

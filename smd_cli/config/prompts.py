@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.evaluation import heldout
 from smd_cli.tasks.loading import PromptTooLong
 

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from smd_cli.config.checks import DTYPES, ROOT, ConfigError
+from smd_cli.config.validation import DTYPES, ROOT, ConfigError
 from smd_cli.evaluation.heldout import DRAWS
 from smd_cli.options import KV_KINDS, MAX_SUPPORT, VIEWS
 

@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.planner import Arch, Run, plan, rounding_record_bytes
-from smd_cli.config.checks import ConfigError
+from smd_cli.config.validation import ConfigError
 from smd_cli.config.factories import build_correction, build_policy, build_task
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.model import build as models

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.config.checks import ConfigError, cache_errors, check, to_dict
+from smd_cli.config.validation import ConfigError, cache_errors, check, to_dict
 from smd_cli.config.factories import build_task
 from smd_cli.config.prompts import encode_prompt
 from smd_cli.model import build as models

@@ -18,7 +18,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.config.checks import ROOT, ConfigError, one_line
+from smd_cli.config.validation import ROOT, ConfigError, one_line
 from smd_cli.config.rules import PATTERNS, RULES, TASK_FIELDS, check_config, is_node, rule_for
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from smd_cli.config.checks import ROOT, ConfigError, to_dict
+from smd_cli.config.validation import ROOT, ConfigError, to_dict
 from smd_cli.runs.console import console
 from smd_cli.runtime import integrity
 from smd_cli.runtime.provenance import seed_everything, write_provenance

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from rich.markup import escape
 
 from smd_cli.checks import collapse
-from smd_cli.config.checks import ConfigError, to_dict
+from smd_cli.config.validation import ConfigError, to_dict
 from smd_cli.runs.console import console
 from smd_cli.runs.run_dirs import lock_run_dir
 from smd_cli.runtime import checkpoint as ckpt

@@ -15,7 +15,7 @@ from transformers import Qwen3ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from smd_cli.attention.dispatch import use_smd_attention
-from smd_cli.config.checks import ConfigError, cache_errors, root_cause, to_dict
+from smd_cli.config.validation import ConfigError, cache_errors, root_cause, to_dict
 from smd_cli.learner.warmstart import warm_start
 from smd_cli.runs.console import console
 from smd_cli.runtime import distributed, integrity

@@ -20,7 +20,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from smd_cli.config.checks import ConfigError, check
+from smd_cli.config.validation import ConfigError, check
 from smd_cli.config.factories import build_policy, build_task
 from smd_cli.config.prompts import check_prompts, load_examples
 from smd_cli.config.rules import check_config

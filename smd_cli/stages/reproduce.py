@@ -36,7 +36,7 @@ from omegaconf import DictConfig, open_dict
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli.config.checks import ROOT, ConfigError, check
+from smd_cli.config.validation import ROOT, ConfigError, check
 from smd_cli.config.rules import check_config
 from smd_cli.report import budget, claims
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
