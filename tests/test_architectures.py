@@ -25,8 +25,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from smd_cli.config.validation import ConfigError
 from smd_cli.config.factories import build_task
+from smd_cli.config.validation import ConfigError
 from smd_cli.runs.model_loading import load_model
 from smd_cli.stages import evaluate, rollout, train
 from tests.conftest import ROOT

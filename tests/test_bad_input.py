@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from smd_cli.config.validation import ConfigError
 from smd_cli.config.prompts import load_examples
+from smd_cli.config.validation import ConfigError
 from smd_cli.tasks.datafiles import DataFileError
 from smd_cli.tasks.govreport import GovReport
 from smd_cli.tasks.gsm8k import GSM8K

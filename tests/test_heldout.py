@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from smd_cli.config.validation import ConfigError
 from smd_cli.config.prompts import held_out_examples
+from smd_cli.config.validation import ConfigError
 from smd_cli.evaluation.heldout import DRAWS, LEGACY, draw_of, indices
 
 

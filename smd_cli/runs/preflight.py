@@ -18,8 +18,8 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.config.validation import ROOT, ConfigError, one_line
 from smd_cli.config.rules import PATTERNS, RULES, TASK_FIELDS, check_config, is_node, rule_for
+from smd_cli.config.validation import ROOT, ConfigError, one_line
 
 
 def arguments(args: list[str]) -> list[str]:

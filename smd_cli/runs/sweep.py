@@ -35,8 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli.config.validation import ROOT, ConfigError, one_line
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ROOT, ConfigError, one_line
 from smd_cli.evaluation.heldout import LEGACY
 from smd_cli.rollout import adaptive
 from smd_cli.runtime import integrity, lifetime, records

@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.markup import escape
 
-from smd_cli.config.validation import ConfigError
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ConfigError
 from smd_cli.report.stats import aggregate
 from smd_cli.report.sweep_tables import weights_key, write_means, write_plot, write_table
 from smd_cli.runs.console import console

@@ -18,10 +18,10 @@ from rich.table import Table
 
 from smd_cli.checks.contracts import contract_bound, unbounded
 from smd_cli.checks.parity import JUDGED, Settings, check
-from smd_cli.config.validation import ROOT, ConfigError, to_dict
 from smd_cli.config.factories import build_policy, build_task
 from smd_cli.config.prompts import encode_prompt, load_examples
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ROOT, ConfigError, to_dict
 from smd_cli.learner import agreement
 from smd_cli.rollout.sampler import generate
 from smd_cli.runs.console import console

@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 from rich.table import Table
 
 from smd_cli.checks.planner import Run, largest_fitting, plan
-from smd_cli.config.validation import ConfigError, check, check_offload
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ConfigError, check, check_offload
 from smd_cli.rollout import adaptive
 from smd_cli.runs.console import console
 from smd_cli.runs.memory_fit import GIB, describe, gib

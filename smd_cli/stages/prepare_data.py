@@ -16,10 +16,10 @@ from omegaconf import DictConfig
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from smd_cli.config.validation import ConfigError, check
 from smd_cli.config.factories import build_task
 from smd_cli.config.prompts import load_examples
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ConfigError, check
 from smd_cli.runs.console import console
 from smd_cli.runs.model_loading import load_tokenizer
 from smd_cli.runs.run_dirs import start_run

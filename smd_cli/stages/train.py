@@ -31,10 +31,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from smd_cli.attention.shadow import resolve_backend
 from smd_cli.checks.profiler import PhaseMemory
-from smd_cli.config.validation import ConfigError, check, check_offload, unread_keys_note
 from smd_cli.config.factories import build_correction, build_policy, build_task, optimizer_factory
 from smd_cli.config.prompts import check_prompts, encode_prompt, held_out_examples, load_examples
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ConfigError, check, check_offload, unread_keys_note
 from smd_cli.evaluation import cache as eval_cache
 from smd_cli.evaluation.batch import evaluate, evidence_kept
 from smd_cli.eviction.none import KeepAll
