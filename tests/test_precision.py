@@ -10,6 +10,7 @@ from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.learner.forward import response_logits
 from smd_cli.learner.step import Algorithm, learner_step
 from smd_cli.model.build import build_tiny_model
+from smd_cli.model import precision
 from smd_cli.model.precision import MasterWeights, build_optimizer
 from smd_cli.rollout.sampler import generate
 from smd_cli.rollout.sampling import token_logprobs
@@ -121,3 +122,18 @@ def test_a_closed_master_optimizer_lets_another_be_built_on_the_same_model(tiny_
     learner_step(model, second, rollout(model, tiny_tokenizer, seed=1), ADVANTAGES, Algorithm("dense"))
     assert min(float((m.detach() != b).float().mean()) for (_, m), b in zip(second.pairs, before) if b.dim() == 2) > 0.5
     assert all(torch.equal(m.grad, h) for (_, m), h in zip(first.pairs, held))  # the closed one is fed no more
+
+
+def test_cpu_dtype_auto_is_bf16_only_where_the_cpu_has_it(monkeypatch, tmp_path):
+    """`model.cpu_dtype=auto`: bfloat16 where /proc/cpuinfo lists avx512_bf16 or amx_bf16, else `model.dtype`; a set
+    cpu_dtype is used as it is."""
+    real_open = open
+    for flags, native in (("fpu avx512f avx512_bf16 sse", True), ("fpu amx_bf16", True), ("fpu avx512f avx2", False)):
+        info = tmp_path / "cpuinfo"
+        info.write_text(f"processor : 0\nflags : {flags}\n")
+        monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/cpuinfo" else path, *a, **k))
+        assert precision.native_bf16() is native
+        assert precision.cpu_compute_dtype("auto", "float32") == ("bfloat16" if native else "float32")
+        assert precision.cpu_compute_dtype("float64", "float32") == "float64" and precision.cpu_compute_dtype(None, "float32") == "float32"
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: (_ for _ in ()).throw(FileNotFoundError(path)))
+    assert precision.native_bf16() is False  # no /proc/cpuinfo (macOS, Windows): float32

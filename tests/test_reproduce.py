@@ -52,7 +52,8 @@ def test_the_tables_recipes_share_their_common_runs():
 
 FAKE_CONFIG = {"steps": 2, "lambda": 0.1, "compression": 0.5, "optim": {"lr": 1e-5}, "model": {"name": "tiny"},
                "grpo": {"prompts_per_step": 2, "num_generations": 4, "epsilon": 0.2, "loss_agg": "token-mean"},
-               "eval": {"num_prompts": 128, "prompts": "per_seed", "temperature": 1.0, "dense_eviction": "snapkv"}}
+               "eval": {"num_prompts": 128, "prompts": "per_seed", "temperature": 1.0, "dense_eviction": "snapkv"},
+               "task": {"_target_": "smd_cli.tasks.synthetic.NeedleRetrieval", "prompt_tokens": 48, "max_new_tokens": 8}}
 
 
 def fake_sweep(tmp_path: Path, name: str, keys: list[str], runs: list[tuple[dict, dict]], steps: list[dict] | None = None) -> Sweep:
@@ -207,9 +208,10 @@ def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
     monkeypatch.setattr(reproduce, "run_logged", fake_ablate(root, calls))
     cfg = OmegaConf.create({"quick": False, "jobs": 2, "quick_overrides": {"tiny": []}})
     tables, rule = {"main": "main_table", "lambda": "ablate_lambda"}, Sequential((3, 5, 8))
+    task = reproduce.Task("tiny", (), tables, root, tmp_path / "out", None, True)
     for recipe in tables.values():
-        reproduce.run_logged(reproduce.ablate_command(cfg, "tiny", recipe, root, root / "sweeps" / recipe))
-    added, rounds = reproduce.add_seeds(cfg, "tiny", tables, root, rule)
+        reproduce.run_logged(reproduce.ablate_command(cfg, "tiny", recipe, task, root / "sweeps" / recipe))
+    added, rounds = reproduce.add_seeds(cfg, "tiny", task, rule)
     asked = calls[2:]
     # look 1 (c = 7.20) decides every claim on tis (far below the others) and on lambda, and the large differences under
     # eviction; the near-lossless claim with a dense cache goes on to look 2, the ties of the dense cache to the cap
@@ -226,7 +228,7 @@ def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
     assert (tie.verdict, tie.decision.seeds, tie.pending) == (INCONCLUSIVE, 8, False)
     assert tie.decision.detectable > 0 and "smallest difference detectable at the cap" in tie.evidence and "+0.093" in tie.evidence
     assert found[("lambda = 0.1 is the best distillation weight", "under eviction")].verdict == HOLDS
-    assert reproduce.add_seeds(cfg, "tiny", tables, root, rule)[0] == 0 and len(calls) == 4  # nothing left to ask
+    assert reproduce.add_seeds(cfg, "tiny", task, rule)[0] == 0 and len(calls) == 4  # nothing left to ask
 
 
 def test_every_correction_is_judged_against_smd_and_dense_and_collapsed_runs_are_flagged(tmp_path):

@@ -71,7 +71,7 @@ def test_quick_small_reproduce_runs_smollm2_end_to_end(tmp_path):
     env = {**os.environ, "SMD_CACHE_DIR": str(ROOT / ".cache" / "smd"), "HF_HUB_OFFLINE": "1"}  # the session's dequantised copy
     root, out = tmp_path / "root", tmp_path / "report"
     done = subprocess.run([sys.executable, "-m", "smd_cli.cli", "reproduce", "small=true", "quick=true", "jobs=1", f"root={root}",
-                           f"out={out}"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+                           f"out={out}", "tasks=[passkey,niah_multikey]"], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (out / "REPORT.md").read_text()
     assert f'- re-run: `make reproduce SCALE=small QUICK=1 ARGS="jobs=1 root={root} out={out}"`' in report  # every override named
@@ -99,3 +99,30 @@ def test_quick_small_reproduce_runs_smollm2_end_to_end(tmp_path):
     assert overhead["args"]["model"] == "smollm2_135m" and "Q4_1-dequantised" in overhead["weights"]
     verdicts = list(csv.DictReader((out / "claims.csv").open()))
     assert verdicts and all(v["verdict"] not in (HOLDS, FAILS) for v in verdicts if v["seeds"])
+    # RULER's niah_multikey (conf/reproduce.yaml task_sets): its main table and compression ablation, SMD alone at the quick
+    # check's 192 tokens, in ROOT/tasks/niah_multikey with its report; no benchmarks (the scale's own task has them)
+    niah, niah_out = root / "tasks" / "niah_multikey", out / "tasks" / "niah_multikey"
+    report = (niah_out / "REPORT.md").read_text()
+    assert "- task: niah_multikey (task=ruler task.family=niah_multikey task.haystack=essay" in report
+    assert "Task ruler (family niah_multikey, haystack essay), prompt_tokens 192, 4 new tokens." in report
+    assert f'- re-run: `make reproduce SCALE=small QUICK=1 ARGS="jobs=1 root={root} out={out} tasks=[niah_multikey]"`' in report
+    assert "## Main table" in report and "## Compression ablation" in report and "## Token-selection ablation" not in report
+    assert "## Step-time overhead" not in report and not (niah / "bench").exists()
+    runs = list(csv.DictReader((niah_out / "runs.csv").open()))
+    assert len({r["dir"] for r in runs}) == 1 and all(r["status"] == "ok" for r in runs)  # smd at 0.5: both tables'
+    run = niah / "members" / runs[0]["dir"]
+    config = json.loads((run / "config.json").read_text())
+    assert (config["task"]["family"], config["task"]["prompt_tokens"], config["algo"]["name"]) == ("niah_multikey", 192, "smd")
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 1 and steps[0]["mismatch/max_abs_diff"] <= 5e-7
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []
+    native = "avx512_bf16" in flags or "amx_bf16" in flags  # model.cpu_dtype=auto: bf16 where the CPU has it natively
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["model/compute_dtype"] == ("bfloat16" if native else "float32")
+    across = list(csv.DictReader((out / "across_tasks.csv").open()))
+    mine = {(v["claim"], v["view"] or "-"): v["verdict"] for v in verdicts}
+    assert across and all(row["passkey"].split(",")[0] == mine[(row["claim"], row["view"])] for row in across)
+    niah_verdicts = {(v["claim"], v["view"] or "-") for v in csv.DictReader((niah_out / "claims.csv").open())}
+    assert all((row["niah_multikey"] == "not run") == ((row["claim"], row["view"]) not in niah_verdicts) for row in across)
+    assert any(row["niah_multikey"] == "not run" for row in across)  # the lambda and selection claims
+    assert json.loads((root / "summary.json").read_text())["across"] == str(out / "ACROSS_TASKS.md")

@@ -280,7 +280,7 @@ RULES: dict[str, Rule] = {
     "model.tokenizer": text("a Hub id or a local path", null="the checkpoint's own"),
     "model.random_init": flag(),
     "model.dtype": one_of(*DTYPES),
-    "model.cpu_dtype": one_of(*DTYPES, null="= model.dtype"),
+    "model.cpu_dtype": one_of(*DTYPES, "auto", null="= model.dtype"),
     "model.logits_dtype": one_of("float32", "float64", null="= the compute dtype"),
     "model.attention_dtype": one_of("float32", "float64", null="= the compute dtype"),
     "model.replay": one_of("auto", "sdpa", "flex"),
@@ -349,6 +349,8 @@ RULES: dict[str, Rule] = {
     "dry_run": flag(),
     "jobs": integer(1, "(runs at once)"),
     "only": strings("a non-empty list of tables, e.g. [main, lambda]", nonempty=True, null="all of the scale's tables"),
+    "tasks": strings("a non-empty list of task_sets names, e.g. [passkey, niah_multikey]", nonempty=True, null="the scale's own task"),
+    "task_sets": mapping("a mapping task name -> {overrides, only, quick, cost}"),
     "root": text("a folder path", null="runs/reproduce/SCALE"),
     "out": text("a folder path", null="results/reproduce"),
     "sweeps": mapping("a mapping scale -> {table: recipe}"),
@@ -388,6 +390,12 @@ PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also ma
     "sequential.*": mapping("{looks, alpha, power} of the seeds-until-decided rule"),  # after its keys: `*` matches dots
     "cost.*.*": real(0, text="a finite number of seconds >= 0"),
     "cost.*": mapping("the cost model's seconds (run_s, step_s, ...)", null="no prediction"),
+    "task_sets.*.overrides": strings("a list of overrides of every run of the task"),
+    "task_sets.*.quick": strings("a list of overrides of the task's runs with quick=true"),
+    "task_sets.*.only": strings("a non-empty list of tables, e.g. [main, compression]", nonempty=True, null="all of the scale's tables"),
+    "task_sets.*.cost.*": real(0, text="a finite number of seconds >= 0"),
+    "task_sets.*.cost": mapping("the cost model's seconds that differ from the scale's (step_s, eval_prompt_s, ...)"),
+    "task_sets.*": mapping("{overrides, only, quick, cost} of a task"),  # after its keys: `*` matches dots
     "parity_check.*": strings("a list of smd check-parity overrides", null="no parity check"),
     "benchmarks.*.*": Rule(_arg_lists, "a list of argument lists, e.g. [[--algos, 'dense,smd']]"),
     "benchmarks.*": mapping("a mapping {benchmark: argument lists} (empty: none at this scale)"),  # after its keys

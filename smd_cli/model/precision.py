@@ -88,6 +88,25 @@ class MasterWeights:
         self.optimizer.load_state_dict(state["optimizer"])
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16 among /proc/cpuinfo's flags; False where there
+    is no /proc/cpuinfo): there bf16 compute is faster than float32, elsewhere it is emulated and slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def cpu_compute_dtype(cpu_dtype: str | None, dtype: str) -> str:
+    """The compute dtype on the CPU: `model.cpu_dtype` when set (`auto`: bfloat16 where the CPU has it natively,
+    `native_bf16`, else `model.dtype`), or `model.dtype`."""
+    if cpu_dtype == "auto":
+        return "bfloat16" if native_bf16() else dtype
+    return cpu_dtype or dtype
+
+
 def build_optimizer(model: torch.nn.Module, make_optimizer: Callable):
     """`make_optimizer(params)` over the model's own weights when they are float32, else over float32
     masters (`MasterWeights`)."""

@@ -54,22 +54,41 @@ def predict(runs: list[Planned], cost: Cost, jobs: int, done_warm: set = frozens
     return (sum(run_seconds(p, cost) for p in runs) + sum(before.values()) + sum(warm.values()) * cost.warm_step_s) / jobs
 
 
-def prediction(planned: dict, cells: set, todo: set[str], cap: int, cost: Cost, jobs: int) -> str:
+@dataclass(frozen=True)
+class Prediction:
+    """The cost model's minutes: the runs to run now, the seeds every claim would add if none were decided before the cap
+    (the worst case), the benchmarks and the rest."""
+
+    runs_now: int
+    now_s: float
+    runs_more: int
+    worst_s: float
+    rest_s: float
+    cap: int
+    jobs: int
+
+    @property
+    def most_s(self) -> float:
+        return self.now_s + self.worst_s + self.rest_s
+
+    def __str__(self) -> str:
+        return (f"{self.runs_now} runs now, {self.now_s / 60:.0f} min; if every claim stayed undecided to the cap of {self.cap} "
+                f"seeds, {self.runs_more} runs more, {self.worst_s / 60:.0f} min; benchmarks and the rest {self.rest_s / 60:.0f} "
+                f"min: at most {self.most_s / 60:.0f} min with {self.jobs} runs at once")
+
+
+def prediction(planned: dict, cells: set, todo: set[str], cap: int, cost: Cost, jobs: int) -> Prediction:
     """The minutes of the runs to run now (`planned`: (role, cell, seed) -> (identity, Planned); those in `todo`), and of
     the seeds every claim would add if none were decided before `cap` (the claims' `cells`, a run shared by tables
     counted once: the worst case), with the benchmarks and the rest."""
     base = {ident: p for ident, p in planned.values() if ident in todo}
-    now = predict(list(base.values()), cost, jobs)
     firsts = [(ident, p) for (role, cell, seed), (ident, p) in planned.items() if (role, cell) in cells]
     seeds = sorted({p.seed for _, p in firsts}, key=int)
     extra = {ident: p for ident, p in firsts if p.seed == seeds[0]} if seeds else {}
     more = [Planned(p.task, str(s), p.steps, p.eval_prompts, p.evaluations, p.warm_steps, renamed(p.before, p.seed, str(s)))
             for p in extra.values() for s in range(len(seeds), cap)]
-    worst = predict(more, cost, jobs)
-    rest = cost.benchmarks_s + cost.overhead_s
-    return (f"{len(base)} runs now, {now / 60:.0f} min; if every claim stayed undecided to the cap of {cap} seeds, "
-            f"{len(more)} runs more, {worst / 60:.0f} min; benchmarks and the rest {rest / 60:.0f} min: at most "
-            f"{(now + worst + rest) / 60:.0f} min with {jobs} runs at once")
+    return Prediction(len(base), predict(list(base.values()), cost, jobs), len(more), predict(more, cost, jobs),
+                      cost.benchmarks_s + cost.overhead_s, cap, jobs)
 
 
 def renamed(before: tuple, seed: str, new: str) -> tuple:

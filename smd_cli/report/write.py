@@ -55,8 +55,8 @@ class Report:
         if path is not None:
             self.text(f"![{caption}]({path.name})")
 
-    def save(self) -> Path:
-        path = self.out / "REPORT.md"
+    def save(self, name: str = "REPORT.md") -> Path:
+        path = self.out / name
         write_file(path, "\n".join(self.lines).rstrip() + "\n")
         return path
 
@@ -128,6 +128,8 @@ def _header(header: dict, sweeps: dict[str, Sweep], rule: Sequential) -> list[st
         + (f"wall time of the invocation(s) that ran them, benchmarks included, {wall / 60:.1f} min" if isinstance(wall, (int, float))
            else "no invocation here ran a training run (every run's record was reused): their wall time is not recorded here"),
     ]
+    if header.get("task"):
+        lines.insert(2, f"- task: {header['task']} (every run of its tables, beside the scale's own settings)")
     if header.get("prediction"):
         lines.append(f"- cost model (`conf/reproduce.yaml` `cost`, README): {header['prediction']}")
     if header.get("rounds"):
@@ -154,7 +156,7 @@ def _setup(sweep: Sweep) -> list[str]:
         "## Setup",
         f"Model {model}; {cfg['steps']} GRPO steps of {g['prompts_per_step']} prompts x {g['num_generations']} samples, "
         f"lr {cfg['optim']['lr']}, clip {g['epsilon']}, {g['loss_agg']}; SMD's lambda {cfg['lambda']} unless swept; "
-        f"compression {cfg['compression']} unless swept."
+        f"compression {cfg['compression']} unless swept. Task {_task(cfg['task'])}."
         + (f" The tiny model is first warm-started by {warm['steps']} supervised steps (label smoothing "
            f"{warm.get('label_smoothing', 0)}), one warm start per seed." if warm.get("steps") else ""),
         f"Held-out: {_held_out_prompts(sweep, cfg)}, sampled at temperature "
@@ -164,6 +166,13 @@ def _setup(sweep: Sweep) -> list[str]:
         "synthetic tasks' needle/marked values) that the eviction kept, over layers and KV heads.",
         COLLAPSED,
     ]
+
+
+def _task(task: dict) -> str:
+    """'ruler (family niah_multikey, haystack essay), prompt_tokens 1024, 16 new tokens' from a run's task config."""
+    name = str(task.get("_target_", "?")).rsplit(".", 1)[-1].lower()
+    kind = ", ".join(f"{k} {task[k]}" for k in ("family", "haystack") if task.get(k) is not None)
+    return f"{name}{f' ({kind})' if kind else ''}, prompt_tokens {task.get('prompt_tokens', '-')}, {task.get('max_new_tokens', '-')} new tokens"
 
 
 def _held_out_prompts(sweep: Sweep, cfg: dict) -> str:

@@ -14,10 +14,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from smd_cli.checks.contracts import contract_bound
 from smd_cli.checks.planner import Arch, Run, plan, rounding_record_bytes
-from smd_cli.config.validation import ConfigError
 from smd_cli.config.factories import build_correction, build_policy, build_task
+from smd_cli.config.validation import ConfigError
 from smd_cli.eviction.snapkv import SnapKV
 from smd_cli.model import build as models
+from smd_cli.model.precision import cpu_compute_dtype
 from smd_cli.rollout import adaptive
 from smd_cli.runs.guard import judged_view
 from smd_cli.runs.model_loading import load_tokenizer
@@ -65,7 +66,7 @@ def describe(cfg: DictConfig, device: str | None = None, gpus: int | None = None
     """The planner's view of `cfg`'s training step on `device` over `gpus` processes (default: `plan.device`, `plan.gpus`)."""
     g, s, m = cfg.grpo, cfg.sampling, cfg.model
     device = device or cfg.plan.device
-    dtype = m.dtype if device == "cuda" else (m.get("cpu_dtype") or m.dtype)
+    dtype = m.dtype if device == "cuda" else cpu_compute_dtype(m.get("cpu_dtype"), m.dtype)
     task = build_task(cfg)
     P, R = prompt_width(cfg, task), int(s.max_new_tokens)
     gpus = int(gpus or cfg.plan.gpus)

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from smd_cli.config.validation import ConfigError, cache_errors, check, to_dict
 from smd_cli.config.factories import build_task
 from smd_cli.config.prompts import encode_prompt
+from smd_cli.config.validation import ConfigError, cache_errors, check, to_dict
 from smd_cli.model import build as models
 from smd_cli.model import local_dir as model_dir
 from smd_cli.model import weights
+from smd_cli.model.precision import cpu_compute_dtype
 from smd_cli.runs.warm_cache import warm_started
 from smd_cli.runtime import distributed
 from smd_cli.runtime.records import write_json
@@ -149,9 +150,10 @@ def load_tokenizer(cfg: DictConfig):
 
 
 def compute_dtype(cfg: DictConfig, device: torch.device) -> str:
-    """The model's compute dtype on `device`: `model.dtype`, or on the CPU `model.cpu_dtype` when set."""
+    """The model's compute dtype on `device`: `model.dtype`, or on the CPU `model.cpu_dtype` when set (`auto`: bfloat16
+    where the CPU has it natively)."""
     m = cfg.model
-    return m.cpu_dtype if device.type == "cpu" and m.get("cpu_dtype") else m.dtype
+    return cpu_compute_dtype(m.get("cpu_dtype"), m.dtype) if device.type == "cpu" else m.dtype
 
 
 def load_model(cfg: DictConfig, task, device: torch.device, progress: bool = True):

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,9 +37,10 @@ from omegaconf import DictConfig, open_dict
 from rich.markup import escape
 from rich.table import Table
 
-from smd_cli.config.validation import ROOT, ConfigError, check
 from smd_cli.config.rules import check_config
+from smd_cli.config.validation import ROOT, ConfigError, check
 from smd_cli.report import budget, claims
+from smd_cli.report.across import write_across
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
 from smd_cli.report.stats import Sequential
 from smd_cli.report.write import write_report
@@ -63,8 +65,49 @@ def validate(cfg: DictConfig) -> str:
     scale = "paper" if cfg.paper else "small" if cfg.get("small") else "tiny"
     tables = cfg.sweeps[scale]
     check(cfg.only is None or set(cfg.only) <= set(tables), "only", cfg.only, f"null or a subset of [{', '.join(tables)}]")
+    if cfg.tasks is not None:
+        names = list(cfg.task_sets)
+        check(scale == "small", "tasks", cfg.tasks, "null unless small=true (the tasks are the small scale's)")
+        check(set(cfg.tasks) <= set(names) and len(set(cfg.tasks)) == len(cfg.tasks), "tasks", cfg.tasks,
+              f"null or distinct names of task_sets: {', '.join(names)}")
+        for name in cfg.tasks:
+            own = cfg.task_sets[name].get("only")
+            check(own is None or set(own) <= set(tables), f"task_sets.{name}.only", own, f"null or a subset of [{', '.join(tables)}]")
+            check(bool(set(own or tables) & set(cfg.only or tables)), "only", cfg.only, f"tables that task {name} runs ({', '.join(own or tables)})")
     rule(cfg, scale)
     return scale
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task's tables: the overrides its runs get, where its runs and its report go, its cost model."""
+
+    name: str
+    overrides: tuple[str, ...]  # added to every run of its tables (after the quick check's)
+    tables: dict[str, str]  # role -> recipe
+    root: Path
+    out: Path
+    cost: dict | None
+    own: bool  # the scale's own task (no overrides): it runs the benchmarks and the parity check
+
+
+def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
+    """The tasks to run (`tasks`, or the scale's own task): a task with overrides keeps its runs in ROOT/tasks/NAME and
+    its report in OUT/tasks/NAME; the scale's own task (no overrides) keeps ROOT and OUT, so that its finished runs count."""
+    base = cfg.cost.get("quick" if cfg.quick else scale)
+    tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
+    if cfg.tasks is None:
+        return [Task(scale, (), tables, root, out, base and dict(base), True)]
+    out_list = []
+    for name in cfg.tasks:
+        t = cfg.task_sets[name]
+        own = not t.overrides
+        overrides = (*t.overrides, *(t.quick if cfg.quick else ()))
+        cost = base and {**base, **(t.cost or {}), **({} if own else {"benchmarks_s": 0})}
+        mine = {role: recipe for role, recipe in tables.items() if t.only is None or role in t.only}
+        out_list.append(Task(name, tuple(map(str, overrides)), mine, root if own else root / "tasks" / name,
+                             out if own else out / "tasks" / name, cost, own))
+    return out_list
 
 
 def rule(cfg: DictConfig, scale: str) -> Sequential:
@@ -85,22 +128,24 @@ def layout(cfg: DictConfig, scale: str) -> tuple[Path, Path]:
     return root, out
 
 
-def sweep_overrides(cfg: DictConfig, scale: str, recipe: str, root: Path) -> list[str]:
-    """The `smd ablate` overrides of one table."""
+def sweep_overrides(cfg: DictConfig, scale: str, recipe: str, task: Task) -> list[str]:
+    """The `smd ablate` overrides of one table of `task`."""
     quick = list(cfg.quick_overrides[scale]) if cfg.quick else []
-    return [f"+recipe={recipe}", *quick, f"ablate.runs_dir={root / 'members'}", "progress=false"]
+    return [f"+recipe={recipe}", *quick, *task.overrides, f"ablate.runs_dir={task.root / 'members'}", "progress=false"]
 
 
-def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, rule: Sequential) -> tuple[int, str | None]:
+def show_plan(cfg: DictConfig, scale: str, task: Task, rule: Sequential) -> tuple[int, budget.Prediction | None]:
     """Compose every table's sweep and print what will run, with the cost model's prediction (base, and every claim
     undecided to the cap); returns the number of runs to run and the prediction."""
     seen: dict[str, str] = {}
-    table = Table(title=f"smd reproduce, {scale} scale{', quick' if cfg.quick else ''}: what will run")
+    root = task.root
+    table = Table(title=f"smd reproduce, {scale} scale{', quick' if cfg.quick else ''}"
+                        f"{'' if task.name == scale else ', task ' + task.name}: what will run")
     for column in ("table", "recipe", "runs", "shared with an earlier table", "finished already", "to run"):
         table.add_column(column, justify="left" if column in ("table", "recipe") else "right")
     planned, plans, todo = {}, {}, set()
-    for role, recipe in tables.items():
-        overrides = sweep_overrides(cfg, scale, recipe, root)
+    for role, recipe in task.tables.items():
+        overrides = sweep_overrides(cfg, scale, recipe, task)
         ablate_cfg = compose(config_name="ablate", overrides=overrides)
         sweep, combos = plan(ablate_cfg, [o for o in overrides if not o.startswith("ablate.")])
         if ablate_cfg.ablate.reuse_fixed_prompts:  # what `smd ablate` will reuse: runs recorded with the fixed held-out prompts
@@ -121,7 +166,7 @@ def show_plan(tables: dict[str, str], cfg: DictConfig, scale: str, root: Path, r
             planned[(role, cell, values.get("seed"))] = (m.identity, planned_run(ablate_cfg, m, values.get("seed", str(ablate_cfg.seed))))
     console.print(table)
     console.print(f"{len(seen)} distinct training runs, {len(todo)} to run; runs in {root / 'members'}")
-    prediction = predict(cfg, scale, rule, planned, plans, todo)
+    prediction = predict(task, cfg.jobs, rule, planned, plans, todo)
     if prediction:
         console.print(f"cost model: {prediction}", highlight=False)
     return len(todo), prediction
@@ -136,13 +181,12 @@ def planned_run(ablate_cfg: DictConfig, member, seed: str) -> budget.Planned:
                           int(warm.get("steps") or 0), member.before)
 
 
-def predict(cfg: DictConfig, scale: str, rule: Sequential, planned: dict, plans: dict[str, Sweep], todo: set[str]) -> str | None:
-    """The cost model's prediction (`budget.prediction`) with this scale's `cost`, or None without one."""
-    c = cfg.cost.get("quick" if cfg.quick else scale)
-    if not c:
+def predict(task: Task, jobs: int, rule: Sequential, planned: dict, plans: dict[str, Sweep], todo: set[str]) -> budget.Prediction | None:
+    """The cost model's prediction (`budget.prediction`) with the task's cost (`cost.SCALE` and its own), or None without one."""
+    if not task.cost:
         return None
     cells = {(role, tuple(sorted(sel.items()))) for f in claims.policies(plans, rule) for role, sel in f.cells}
-    return budget.prediction(planned, cells, todo, rule.cap, budget.Cost(**c), cfg.jobs)
+    return budget.prediction(planned, cells, todo, rule.cap, budget.Cost(**task.cost), jobs)
 
 
 def paper_requirements() -> list[str]:
@@ -219,26 +263,42 @@ def run(cfg: DictConfig) -> dict:
     root's summary.json says "interrupted" (it says "completed", with the report, at the end)."""
     scale = validate(cfg)
     root, out = layout(cfg, scale)
+    todo = tasks(cfg, scale, root, out)
     try:
-        result = _run(cfg, scale, root, out)
+        results = {t.name: _run(cfg, scale, t) for t in todo}
+        if cfg.dry_run:
+            return dry_run_total(results) if cfg.tasks else results[scale]
+        if cfg.tasks:
+            across = write_across(out, {t.name: t.out for t in todo}, {t.name: results[t.name]["rerun"] for t in todo})
+            console.print(f"claims across tasks: {across}")
     except KeyboardInterrupt:
         again = shlex.join(["smd", "reproduce", *(HydraConfig.get().overrides.task if HydraConfig.initialized() else [])])
         if (root / "provenance.json").is_file():  # the run started (`start_run`): its directory is ours to write
             write_json(root / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C"})
         raise Interrupted(f"Ctrl-C: smd reproduce stopped; the finished runs and benchmark results in {root} are kept (an "
                           f"interrupted run resumes from its last checkpoint); continue with: {again}") from None
-    if "report" in result:
-        write_json(root / "summary.json", {"status": "completed", **result})
+    result = {"tasks": results, "across": str(across)} if cfg.tasks else results[scale]
+    write_json(root / "summary.json", {"status": "completed", **result})
     return result
 
 
-def _run(cfg: DictConfig, scale: str, root: Path, out: Path) -> dict:
+def dry_run_total(results: dict[str, dict]) -> dict:
+    """Print the tasks' predictions added up (they run one after another); the dry run's result per task and in all."""
+    found = [r["prediction"] for r in results.values() if r["prediction"]]
+    if found:
+        now, most = sum(p.now_s for p in found) / 3600, sum(p.most_s for p in found) / 3600
+        console.print(f"cost model, {len(results)} tasks one after another: {sum(p.runs_now for p in found)} runs now, {now:.1f} h; "
+                      f"at most {most:.1f} h if every claim stayed undecided to the cap", highlight=False)
+    return {"tasks": results, "to_run": sum(r["to_run"] for r in results.values())}
+
+
+def _run(cfg: DictConfig, scale: str, task: Task) -> dict:
     started = time.time()
     seq = rule(cfg, scale)
-    tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
-    pending, prediction = show_plan(tables, cfg, scale, root, seq)
+    root, tables = task.root, task.tables
+    pending, prediction = show_plan(cfg, scale, task, seq)
     if cfg.dry_run:
-        return {"to_run": pending, "prediction": prediction}
+        return {"to_run": pending, "prediction": prediction}  # a budget.Prediction (None without a cost model)
     if scale == "paper":
         missing = paper_requirements()
         if missing:
@@ -251,37 +311,43 @@ def _run(cfg: DictConfig, scale: str, root: Path, out: Path) -> dict:
     recorded = outcomes_recorded(root)
     outcomes = {}
     for role, recipe in tables.items():
-        outcomes[role] = run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe))
+        outcomes[role] = run_logged(ablate_command(cfg, scale, recipe, task, root / "sweeps" / recipe))
         if not (root / "sweeps" / recipe / "summary.json").is_file():  # 1: some runs failed (in the table); the rest go on
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
-    rounds = add_seeds(cfg, scale, tables, root, seq)[1]
+    rounds = add_seeds(cfg, scale, task, seq)[1]
     which = f"{scale}_quick" if cfg.quick else scale  # the benchmarks and parity check of this scale, or of its quick check
-    bench = run_benchmarks(cfg, which, root / "bench")
-    bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity")
+    bench = run_benchmarks(cfg, which, root / "bench") if task.own else {}
+    bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity") if task.own else None
     ran = sum(stamp != recorded.get(name) for name, stamp in outcomes_recorded(root).items())  # runs this invocation ran
     seconds = record_time(root, started, ran)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
     extra = [o for o in cfg.overrides if o.split("=")[0] not in ("small", "paper", "quick")]  # a subset, other looks, ...: said
+    if cfg.tasks:  # this task alone (the scale's own: without `tasks`)
+        extra = [o for o in extra if o.split("=")[0] != "tasks"] + ([] if task.own else [f"tasks=[{task.name}]"])
     args = f" ARGS=\"{' '.join(extra)}\"" if extra else ""
     header = {"scale": scale, "quick": cfg.quick, "command": f"{make}{args} ({' '.join(['smd reproduce', *cfg.overrides])})",
-              "rerun": make + args,
+              "rerun": make + args, "task": None if task.own else f"{task.name} ({' '.join(task.overrides)})",
               "commit": git_commit(ROOT), "versions": package_versions(), "wall_seconds": seconds,
               "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, "
                          + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU") + f", {cfg.jobs} runs at once",
-              "runs_dir": os.path.relpath(root / "members", ROOT), "prediction": prediction, "rounds": rounds}
+              "runs_dir": os.path.relpath(root / "members", ROOT), "prediction": prediction and str(prediction), "rounds": rounds}
     try:
-        report = write_report(out, read_tables(tables, root), bench, header, seq)
+        report = write_report(task.out, read_tables(tables, root), bench, header, seq)
     except WeightsDiffer as err:  # the network chose the weights run by run (model.source=auto)
         raise ConfigError(str(err)) from None
-    keep_records(root, out)
+    keep_records(root, task.out)
     failed = {role: code for role, code in outcomes.items() if code}
     console.print(f"report written to {report}" + (f"; tables with failed runs: {', '.join(failed)}" if failed else ""))
-    return {"report": str(report), "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()}, "failed_tables": failed}
+    result = {"report": str(report), "rerun": make + args, "sweeps": {r: str(root / "sweeps" / t) for r, t in tables.items()},
+              "failed_tables": failed}
+    if not task.own:
+        write_json(root / "summary.json", {"status": "completed", **result})
+    return result
 
 
-def ablate_command(cfg: DictConfig, scale: str, recipe: str, root: Path, where: Path, extra: list[str] = ()) -> list[str]:
-    """`smd ablate` of a table's recipe (with `extra` overrides: fixed values, seeds), its sweep written to `where`."""
-    overrides = sweep_overrides(cfg, scale, recipe, root)
+def ablate_command(cfg: DictConfig, scale: str, recipe: str, task: Task, where: Path, extra: list[str] = ()) -> list[str]:
+    """`smd ablate` of a table's recipe for `task` (with `extra` overrides: fixed values, seeds), its sweep written to `where`."""
+    overrides = sweep_overrides(cfg, scale, recipe, task)
     if any(o.startswith("seed=") for o in extra):  # the seeds asked for replace the quick check's one
         overrides = [o for o in overrides if not o.startswith("seed=")]
     launcher = [] if cfg.jobs == 1 else ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={cfg.jobs}"]
@@ -298,11 +364,12 @@ def read_tables(tables: dict[str, str], root: Path) -> dict[str, Sweep]:
     return out
 
 
-def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, seq: Sequential) -> tuple[int, str]:
+def add_seeds(cfg: DictConfig, scale: str, task: Task, seq: Sequential) -> tuple[int, str]:
     """Seeds until decided: judge the claims, give every cell of an undecided claim the seeds of its next look, again
     until no claim is undecided below its cap. Returns the table entries asked for (a run that tables share counts once
     per table) and one line per round for the report
     (also kept in ROOT/rounds.json, so that a report-only invocation says the same)."""
+    root, tables = task.root, task.tables
     path, asked, lines = root / "rounds.json", 0, []
     history = records.read_list(path, missing_ok=True)
     for _ in seq.looks:
@@ -319,7 +386,7 @@ def add_seeds(cfg: DictConfig, scale: str, tables: dict[str, str], root: Path, s
                       f"{runs} table entries (finished runs are reused; a run that tables share runs once)", highlight=False)
         for e in extensions:
             recipe = tables[e.role]
-            run_logged(ablate_command(cfg, scale, recipe, root, root / "sweeps" / recipe / "seeds" / e.label, e.overrides()))
+            run_logged(ablate_command(cfg, scale, recipe, task, root / "sweeps" / recipe / "seeds" / e.label, e.overrides()))
         asked += runs
         lines.append(f"to {target} seeds: {runs} table entries for {undecided} undecided verdicts ({len(wanted)} cells)")
         write_json(path, history + lines)

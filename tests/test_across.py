@@ -1,0 +1,87 @@
+"""The paper's claims across tasks (`smd_cli.report.across`): the table read from each task's claims.csv, the claims whose
+verdict changes between tasks, and the dense-cache verdicts a ceiling leaves undecided; and `smd reproduce tasks=[...]`
+composing each task's runs with its own overrides in its own folder."""
+
+import csv
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from smd_cli.cli import CONF_DIR, register_recipes
+from smd_cli.report.across import write_across
+from smd_cli.report.claims import CEILING
+from smd_cli.runs.sweep import distinct, plan
+from smd_cli.stages.reproduce import sweep_overrides, tasks, validate
+
+FIELDS = ["claim", "paper", "scope", "view", "verdict", "prompts", "seeds", "d", "se", "critical", "pending", "detectable",
+          "paper_difference", "seeds_needed", "evidence", "rule"]
+
+
+def claims_csv(folder: Path, rows: list[tuple]) -> Path:
+    """A task's report folder with a claims.csv of (claim, view, verdict, seeds, d, se, prompts) rows."""
+    folder.mkdir(parents=True)
+    with (folder / "claims.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, FIELDS, restval="")
+        w.writeheader()
+        for claim, view, verdict, seeds, d, se, prompts in rows:
+            w.writerow({"claim": claim, "view": view, "verdict": verdict, "seeds": seeds, "d": d, "se": se, "prompts": prompts})
+    return folder
+
+
+def test_across_tasks_names_the_claims_whose_verdict_changes(tmp_path):
+    a = claims_csv(tmp_path / "passkey", [
+        ("SMD beats naive", "dense cache", "holds", 3, 0.429, 0.028, "fixed"),
+        ("SMD beats naive", "under eviction", "holds", 5, 0.247, 0.0256, "fixed"),
+        ("SMD matches dense", "dense cache", CEILING, 3, 0, 0, "fixed"),
+        ("Sparse-RL vetoes > 20 %", "", "does not hold", "", "", "", ""),
+        ("lambda 0.1 beats 0", "under eviction", "inconclusive", 8, 0.041, 0.017, "fixed")])
+    b = claims_csv(tmp_path / "niah", [
+        ("SMD beats naive", "dense cache", "holds", 3, 0.2, 0.05, "per seed"),
+        ("SMD beats naive", "under eviction", "does not hold", 3, -0.31, 0.02, "per seed"),
+        ("SMD matches dense", "dense cache", "holds", 5, 0.01, 0.01, "per seed"),
+        ("Sparse-RL vetoes > 20 %", "", "does not hold", "", "", "", "")])
+    path = write_across(tmp_path / "out", {"passkey": a, "niah": b}, {"passkey": "make A", "niah": "make B"})
+    rows = list(csv.reader((tmp_path / "out" / "across_tasks.csv").open()))
+    assert rows[0] == ["claim", "view", "passkey", "niah"]
+    assert rows[1:] == [
+        ["SMD beats naive", "dense cache", "holds, +0.429 ± 0.028 (3 seeds)", "holds, +0.200 ± 0.050 (3 seeds)"],
+        ["SMD beats naive", "under eviction", "holds, +0.247 ± 0.026 (5 seeds)", "does not hold, -0.310 ± 0.020 (3 seeds)"],
+        ["SMD matches dense", "dense cache", CEILING, "holds, +0.010 ± 0.010 (5 seeds)"],
+        ["Sparse-RL vetoes > 20 %", "-", "does not hold", "does not hold"],
+        ["lambda 0.1 beats 0", "under eviction", "inconclusive, +0.041 ± 0.017 (8 seeds)", "not run"]]
+    text = " ".join(path.read_text().split())
+    assert "- SMD beats naive (under eviction): both ways: holds on passkey; does not hold on niah" in text
+    assert f"- SMD matches dense (dense cache): decided on some: passkey: {CEILING}; niah: holds" in text
+    assert "SMD beats naive (dense cache):" not in text and "Sparse-RL vetoes > 20 %:" not in text  # the same on both
+    assert "- passkey: 1 of 2 dense-cache verdicts informative" in text and "- niah: 2 of 2 dense-cache verdicts informative" in text
+    assert "Verdicts of passkey rest (in part) on runs that evaluated the same fixed held-out prompts" in text
+    assert "re-run with `make B`" in text
+
+
+def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path):
+    """`smd reproduce small=true tasks=[passkey,niah_multikey]`: passkey as the scale has it, in ROOT (its finished runs
+    count); niah_multikey's main table (five algorithms) and compression ablation (0.5, 0.7) on RULER at 1024 tokens in
+    ROOT/tasks/niah_multikey, composed as `smd ablate` composes them."""
+    register_recipes()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("reproduce", overrides=["small=true", "tasks=[passkey,niah_multikey]", f"root={tmp_path}", f"out={tmp_path / 'o'}"])
+        scale = validate(cfg)
+        passkey, niah = tasks(cfg, scale, tmp_path, tmp_path / "o")
+        assert (passkey.root, passkey.out, passkey.own, list(passkey.tables)) == (tmp_path, tmp_path / "o", True,
+                                                                                  ["main", "compression", "lambda", "selection"])
+        assert (niah.root, niah.out, niah.own) == (tmp_path / "tasks" / "niah_multikey", tmp_path / "o" / "tasks" / "niah_multikey", False)
+        assert list(niah.tables) == ["main", "compression"] and niah.cost["benchmarks_s"] == 0
+        runs = {}
+        for role, recipe in niah.tables.items():
+            overrides = sweep_overrides(cfg, scale, recipe, niah)
+            ablate = compose("ablate", overrides=overrides)
+            assert ablate.ablate.runs_dir == str(tmp_path / "tasks" / "niah_multikey" / "members")
+            for m in distinct(plan(ablate, [o for o in overrides if not o.startswith("ablate.")])[1]):
+                runs[m.identity] = dict(m.combo)
+                member = compose("train", overrides=m.overrides)
+                assert (member.task.family, member.task.prompt_tokens, member.task.max_new_tokens) == ("niah_multikey", 1024, 16)
+                assert member.model.name == "smollm2_135m" and member.steps == 20
+    algos = {(v["algo"], v.get("compression", "0.5")) for v in runs.values()}
+    assert algos == {(a, "0.5") for a in ("dense", "naive_sparse", "sparse_rl", "tis", "smd")} | {
+        (a, "0.7") for a in ("naive_sparse", "sparse_rl", "smd")}
+    assert len(runs) == 8 * 3  # three seeds each; the compression table's 0.5 runs are the main table's
