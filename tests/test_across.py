@@ -5,9 +5,10 @@ composing each task's runs with its own overrides in its own folder."""
 import csv
 from pathlib import Path
 
+import pytest
 from hydra import compose, initialize_config_dir
 
-from smd_cli.cli import CONF_DIR, register_recipes
+from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.report.across import write_across
 from smd_cli.report.claims import CEILING
 from smd_cli.runs.sweep import distinct, plan
@@ -85,3 +86,15 @@ def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path
     assert algos == {(a, "0.5") for a in ("dense", "naive_sparse", "sparse_rl", "tis", "smd")} | {
         (a, "0.7") for a in ("naive_sparse", "sparse_rl", "smd")}
     assert len(runs) == 8 * 3  # three seeds each; the compression table's 0.5 runs are the main table's
+
+
+def test_a_task_selection_it_cannot_run_is_a_config_error(capsys):
+    for overrides, why in ((["tasks=[passkey]"], "tasks=['passkey'] is not allowed: null unless small=true"),
+                           (["small=true", "tasks=[passkey,ruler]"], "null or distinct names of task_sets: passkey, niah_multikey"),
+                           (["small=true", "tasks=[passkey,passkey]"], "null or distinct names of task_sets"),
+                           (["small=true", "tasks=[niah_multikey]", "only=[lambda]"], "tables that task niah_multikey runs (main, compression)"),
+                           (["small=true", "tasks=[passkey,copy]", "+task_sets.copy={overrides:[],only:null,quick:[],cost:{}}"],
+                            "at most one task without overrides (the scale's own; here passkey, copy)")):
+        with pytest.raises(SystemExit) as done:
+            main(["reproduce", *overrides, "dry_run=true"])
+        assert done.value.code == 2 and why in " ".join(capsys.readouterr().err.split()), overrides

@@ -71,9 +71,11 @@ def validate(cfg: DictConfig) -> str:
         check(set(cfg.tasks) <= set(names) and len(set(cfg.tasks)) == len(cfg.tasks), "tasks", cfg.tasks,
               f"null or distinct names of task_sets: {', '.join(names)}")
         for name in cfg.tasks:
-            own = cfg.task_sets[name].get("only")
-            check(own is None or set(own) <= set(tables), f"task_sets.{name}.only", own, f"null or a subset of [{', '.join(tables)}]")
-            check(bool(set(own or tables) & set(cfg.only or tables)), "only", cfg.only, f"tables that task {name} runs ({', '.join(own or tables)})")
+            only = cfg.task_sets[name].get("only")
+            check(only is None or set(only) <= set(tables), f"task_sets.{name}.only", only, f"null or a subset of [{', '.join(tables)}]")
+            check(bool(set(only or tables) & set(cfg.only or tables)), "only", cfg.only, f"tables that task {name} runs ({', '.join(only or tables)})")
+        plain = [name for name in cfg.tasks if not cfg.task_sets[name].overrides]
+        check(len(plain) <= 1, "tasks", cfg.tasks, f"at most one task without overrides (the scale's own; here {', '.join(plain)})")
     rule(cfg, scale)
     return scale
 
@@ -98,16 +100,16 @@ def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
     tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
     if cfg.tasks is None:
         return [Task(scale, (), tables, root, out, base and dict(base), True)]
-    out_list = []
+    found = []
     for name in cfg.tasks:
         t = cfg.task_sets[name]
         own = not t.overrides
         overrides = (*t.overrides, *(t.quick if cfg.quick else ()))
         cost = base and {**base, **(t.cost or {}), **({} if own else {"benchmarks_s": 0})}
         mine = {role: recipe for role, recipe in tables.items() if t.only is None or role in t.only}
-        out_list.append(Task(name, tuple(map(str, overrides)), mine, root if own else root / "tasks" / name,
-                             out if own else out / "tasks" / name, cost, own))
-    return out_list
+        found.append(Task(name, tuple(map(str, overrides)), mine, root if own else root / "tasks" / name,
+                          out if own else out / "tasks" / name, cost, own))
+    return found
 
 
 def rule(cfg: DictConfig, scale: str) -> Sequential:
@@ -268,7 +270,7 @@ def run(cfg: DictConfig) -> dict:
         results = {t.name: _run(cfg, scale, t) for t in todo}
         if cfg.dry_run:
             return dry_run_total(results) if cfg.tasks else results[scale]
-        if cfg.tasks:
+        if cfg.tasks and len(todo) > 1:
             across = write_across(out, {t.name: t.out for t in todo}, {t.name: results[t.name]["rerun"] for t in todo})
             console.print(f"claims across tasks: {across}")
     except KeyboardInterrupt:
@@ -277,7 +279,7 @@ def run(cfg: DictConfig) -> dict:
             write_json(root / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C"})
         raise Interrupted(f"Ctrl-C: smd reproduce stopped; the finished runs and benchmark results in {root} are kept (an "
                           f"interrupted run resumes from its last checkpoint); continue with: {again}") from None
-    result = {"tasks": results, "across": str(across)} if cfg.tasks else results[scale]
+    result = {"tasks": results, **({"across": str(across)} if len(todo) > 1 else {})} if cfg.tasks else results[scale]
     write_json(root / "summary.json", {"status": "completed", **result})
     return result
 
@@ -287,7 +289,7 @@ def dry_run_total(results: dict[str, dict]) -> dict:
     found = [r["prediction"] for r in results.values() if r["prediction"]]
     if found:
         now, most = sum(p.now_s for p in found) / 3600, sum(p.most_s for p in found) / 3600
-        console.print(f"cost model, {len(results)} tasks one after another: {sum(p.runs_now for p in found)} runs now, {now:.1f} h; "
+        console.print(f"cost model, {len(results)} task{'s' if len(results) > 1 else ''} one after another: {sum(p.runs_now for p in found)} runs now, {now:.1f} h; "
                       f"at most {most:.1f} h if every claim stayed undecided to the cap", highlight=False)
     return {"tasks": results, "to_run": sum(r["to_run"] for r in results.values())}
 
