@@ -265,9 +265,11 @@ def run(cfg: DictConfig) -> dict:
     root's summary.json says "interrupted" (it says "completed", with the report, at the end)."""
     scale = validate(cfg)
     root, out = layout(cfg, scale)
-    todo = tasks(cfg, scale, root, out)
+    todo, results = tasks(cfg, scale, root, out), {}
+    current = todo[0]
     try:
-        results = {t.name: _run(cfg, scale, t) for t in todo}
+        for current in todo:
+            results[current.name] = _run(cfg, scale, current)
         if cfg.dry_run:
             return dry_run_total(results) if cfg.tasks else results[scale]
         if cfg.tasks and len(todo) > 1:
@@ -275,12 +277,14 @@ def run(cfg: DictConfig) -> dict:
             console.print(f"claims across tasks: {across}")
     except KeyboardInterrupt:
         again = shlex.join(["smd", "reproduce", *(HydraConfig.get().overrides.task if HydraConfig.initialized() else [])])
-        if (root / "provenance.json").is_file():  # the run started (`start_run`): its directory is ours to write
-            write_json(root / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C"})
+        for where in dict.fromkeys((root, current.root)):  # this stage's root and the task it was running
+            if (where / "provenance.json").is_file():  # the run started (`start_run`): its directory is ours to write
+                write_json(where / "summary.json", {"status": "interrupted", "status_reason": "Ctrl-C"})
         raise Interrupted(f"Ctrl-C: smd reproduce stopped; the finished runs and benchmark results in {root} are kept (an "
                           f"interrupted run resumes from its last checkpoint); continue with: {again}") from None
     result = {"tasks": results, **({"across": str(across)} if len(todo) > 1 else {})} if cfg.tasks else results[scale]
-    write_json(root / "summary.json", {"status": "completed", **result})
+    if (root / "provenance.json").is_file():  # not when only tasks of their own ran (each wrote its own summary)
+        write_json(root / "summary.json", {"status": "completed", **result})
     return result
 
 
