@@ -208,7 +208,7 @@ def test_seeds_are_added_until_decided(tmp_path, monkeypatch):
     monkeypatch.setattr(reproduce, "run_logged", fake_ablate(root, calls))
     cfg = OmegaConf.create({"quick": False, "jobs": 2, "quick_overrides": {"tiny": []}})
     tables, rule = {"main": "main_table", "lambda": "ablate_lambda"}, Sequential((3, 5, 8))
-    task = reproduce.Task("tiny", (), tables, root, tmp_path / "out", None, True)
+    task = reproduce.Task("tiny", (), tables, root, tmp_path / "out", None)
     for recipe in tables.values():
         reproduce.run_logged(reproduce.ablate_command(cfg, "tiny", recipe, task, root / "sweeps" / recipe))
     added, rounds = reproduce.add_seeds(cfg, "tiny", task, rule)

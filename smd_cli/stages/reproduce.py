@@ -90,7 +90,11 @@ class Task:
     root: Path
     out: Path
     cost: dict | None
-    own: bool  # the scale's own task (no overrides): it runs the benchmarks and the parity check
+
+    @property
+    def own(self) -> bool:
+        """The scale's own task (no overrides): it runs the benchmarks and the parity check."""
+        return not self.overrides
 
 
 def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
@@ -99,7 +103,7 @@ def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
     base = cfg.cost.get("quick" if cfg.quick else scale)
     tables = {role: recipe for role, recipe in cfg.sweeps[scale].items() if cfg.only is None or role in cfg.only}
     if cfg.tasks is None:
-        return [Task(scale, (), tables, root, out, base and dict(base), True)]
+        return [Task(scale, (), tables, root, out, base and dict(base))]
     found = []
     for name in cfg.tasks:
         t = cfg.task_sets[name]
@@ -108,7 +112,7 @@ def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
         cost = base and {**base, **(t.cost or {}), **({} if own else {"benchmarks_s": 0})}
         mine = {role: recipe for role, recipe in tables.items() if t.only is None or role in t.only}
         found.append(Task(name, tuple(map(str, overrides)), mine, root if own else root / "tasks" / name,
-                          out if own else out / "tasks" / name, cost, own))
+                          out if own else out / "tasks" / name, cost))
     return found
 
 
@@ -322,8 +326,9 @@ def _run(cfg: DictConfig, scale: str, task: Task) -> dict:
             raise ConfigError(f"smd ablate +recipe={recipe} wrote no summary (exit {outcomes[role]}); see its output above")
     rounds = add_seeds(cfg, scale, task, seq)[1]
     which = f"{scale}_quick" if cfg.quick else scale  # the benchmarks and parity check of this scale, or of its quick check
-    bench = run_benchmarks(cfg, which, root / "bench") if task.own else {}
-    bench["parity_check"] = run_parity(cfg, which, root / "bench" / "check_parity") if task.own else None
+    bench = {"parity_check": None}  # a task of its own: no benchmarks (the scale's own task runs them)
+    if task.own:
+        bench = {**run_benchmarks(cfg, which, root / "bench"), "parity_check": run_parity(cfg, which, root / "bench" / "check_parity")}
     ran = sum(stamp != recorded.get(name) for name, stamp in outcomes_recorded(root).items())  # runs this invocation ran
     seconds = record_time(root, started, ran)
     make = f"make reproduce{'' if scale == 'tiny' else ' SCALE=' + scale}{' QUICK=1' if cfg.quick else ''}"
