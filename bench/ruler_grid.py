@@ -4,6 +4,10 @@
 Usage: python bench/ruler_grid.py --family niah_multikey[:HAYSTACK] ... [--tokens 1024] [--policies dense,snapkv,...]
                                   [--compression 0.5] [--n 50] [--json OUT] [OVERRIDE ...]
 
+A policy named `NAME:outside` (e.g. `snapkv:outside`) compresses the context alone, the question, the template's end
+and the answer prefix kept outside the compressed span (`smd_cli.eviction.context_only`: kvpress's default setting);
+plain `NAME` compresses the whole prompt, question included, as the rollouts do (kvpress's `query_aware`).
+
 Each (family, length) is one cell of the grid: the task's test examples 0..n-1, every policy x compression on them.
 A cell already in `--json` (same family, haystack, length, n, policies and compressions) is kept, not re-run, so an
 interrupted run resumes. The model is loaded once through `load_model` (`model=smollm2_135m`: the dequantised Q4_1
@@ -62,17 +66,20 @@ def run_cells(args, overrides: list[str], done: list[dict], policies: list[str],
             torch.set_num_threads(cfg.threads)
             task = build_task(cfg)
             model, tokenizer = load_model(cfg, task, torch.device("cpu"), progress=False)
-            grid = {}
+            grid, outside = {}, set()
             for name in policies:
                 for c in ([None] if name == "dense" else args.compression):
                     node = cfg.copy()
                     if c is not None:
                         node.compression = c
-                    grid[name if c is None else f"{name}@{c}"] = None if name == "dense" else build_policy(node, name)
+                    label = name if c is None else f"{name}@{c}"
+                    grid[label] = None if name == "dense" else build_policy(node, name.removesuffix(":outside"))
+                    if name.endswith(":outside"):
+                        outside.add(label)
             examples = task.examples("test", args.n)
             started = time.perf_counter()
             out = evaluate_grid(model, tokenizer, task, examples, grid, max_new_tokens=task.max_new_tokens,
-                                prompts_per_batch=args.batch)
+                                prompts_per_batch=args.batch, outside=frozenset(outside))
             cell = {**key, "haystack": task.haystack, "weights": weights_label(model), "max_new_tokens": task.max_new_tokens,
                     "seconds": time.perf_counter() - started, "threads": cfg.threads, "overrides": overrides,
                     "results": {name: {"summary": r["summary"], "completions": [x["completion"] for x in r["rows"]],

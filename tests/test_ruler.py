@@ -134,6 +134,19 @@ def test_the_chat_template_wraps_the_user_message_and_the_answer_prefix_opens_th
     assert raw[0] == tokenizer.bos_token_id and "<|im_start|>" not in tokenizer.decode(raw)
 
 
+def test_the_closing_is_the_question_the_template_end_and_the_answer_prefix(tiny_tokenizer):
+    """What kvpress appends after compressing the context: everything after the haystack's last filler."""
+    from smd_cli.model.build import build_tiny_tokenizer
+
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = CHATML
+    task, example, _, ids = built(tokenizer, "niah_single", "noise", prompt_tokens=700)
+    key = example["draw"]["queried"][0]
+    closing = tokenizer.decode(ids[len(ids) - task.closing_tokens(example, tokenizer):])
+    assert closing == (f"\nWhat is the special magic number for {key} mentioned in the provided text?<|im_end|>\n"
+                       f"<|im_start|>assistant\nThe special magic number for {key} mentioned in the provided text is")
+
+
 def test_rulers_string_match_all_and_the_graded_reward_on_hand_written_completions(tiny_tokenizer):
     task = Ruler(family="niah_multivalue", prompt_tokens=LENGTH, max_new_tokens=48)
     example = {"answers": ["1234567", "2345678", "3456789", "4567890"], "distractors": ["9999999", "8888888"]}

@@ -24,6 +24,7 @@ import torch
 
 from smd_cli.attention.policy import EvictionPolicy, PrefillView, Selection
 from smd_cli.attention.shadow import kept_through
+from smd_cli.eviction.context_only import ContextOnly
 from smd_cli.eviction.none import KeepAll
 from smd_cli.evaluation.batch import evidence_columns
 from smd_cli.rollout.sampler import generate, response_texts
@@ -96,19 +97,26 @@ class PerRow(EvictionPolicy):
 
 
 def evaluate_grid(model, tokenizer, task: Task, examples: list[Example], policies: dict[str, EvictionPolicy | None], *,
-                  max_new_tokens: int, prompts_per_batch: int = 4) -> dict[str, dict[str, Any]]:
+                  max_new_tokens: int, prompts_per_batch: int = 4, outside: frozenset[str] = frozenset()) -> dict[str, dict[str, Any]]:
     """Greedy evaluation of every policy (None: the dense cache, as `KeepAll`) on the same `examples`, each prompt
-    prefilled once per batch: {name: {"rows": per-example rows, "summary": the task's metrics, evidence/kept}}."""
+    prefilled once per batch: {name: {"rows": per-example rows, "summary": the task's metrics, evidence/kept}}.
+    The policies named in `outside` compress the context alone, the question kept outside the compressed span
+    (`ContextOnly`; the task says where its closing starts: `closing_tokens`)."""
     names = list(policies)
     plain = [KeepAll() if policies[n] is None else policies[n] for n in names]
     prompts = [task.encode_prompt(e, tokenizer) for e in examples]
+    if outside - set(names) or (outside and not hasattr(task, "closing_tokens")):
+        raise ValueError(f"outside={sorted(outside)}: each must name a policy of {names}, on a task that knows where its question "
+                         f"starts (task=ruler); got task {type(task).__name__}")
+    closing = [task.closing_tokens(e, tokenizer) for e in examples] if outside else []
     out: dict[str, dict[str, Any]] = {n: {"rows": [], "kept": []} for n in names}
     started = time.perf_counter()
     for start in range(0, len(examples), prompts_per_batch):
         chunk = list(range(start, min(start + prompts_per_batch, len(examples))))
         rows = [i for i in chunk for _ in names]
         assignment = [j for _ in chunk for j in range(len(names))]
-        batch = generate(model, [prompts[i] for i in rows], policy=PerRow(plain, assignment), max_new_tokens=max_new_tokens,
+        batch_policies = [ContextOnly(p, [closing[i] for i in chunk]) if names[j] in outside else p for j, p in enumerate(plain)]
+        batch = generate(model, [prompts[i] for i in rows], policy=PerRow(batch_policies, assignment), max_new_tokens=max_new_tokens,
                          temperature=0.0, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
                          measure_dense_kv=False)
         texts = response_texts(batch, tokenizer)

@@ -100,18 +100,8 @@ class Ruler(Task):
     def fit_prompt(self, example: Example, tokenizer) -> tuple[str, list[int]]:
         """(the user message as the model sees it, the prompt's token ids) at `prompt_tokens` tokens; the answer-bearing
         positions are remembered for `evidence_positions`."""
-        cache: dict[str, list[int]] = {}
-
-        def ids(text: str) -> list[int]:
-            if text not in cache:
-                cache[text] = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-            return cache[text]
-
-        layout = FAMILIES[example["family"]].layout(example["draw"], example["haystack"])
-        before, after = self._template(tokenizer)
-        prefix = layout.prefix.lstrip() if before and after else layout.prefix  # after "assistant\n", no leading space
-        fixed = [*before, *ids(layout.shot), *ids(layout.head)]
-        closing = [*ids(layout.tail), *after, *ids(prefix)]
+        ids = _token_ids(tokenizer)
+        layout, fixed, closing = self._frame(example, tokenizer, ids)
         budget = example["prompt_tokens"] - len(fixed) - len(closing)
         if isinstance(layout, Haystack):
             context, evidence = self._haystack(layout, ids, tokenizer, budget, example)
@@ -127,6 +117,19 @@ class Ruler(Task):
 
     def encode_prompt(self, example: Example, tokenizer) -> list[int]:
         return self.fit_prompt(example, tokenizer)[1]
+
+    def closing_tokens(self, example: Example, tokenizer) -> int:
+        """How many of the prompt's last tokens follow the context: the question, the template's end and the answer
+        prefix (what kvpress appends after compressing the context, unless `query_aware`)."""
+        return len(self._frame(example, tokenizer, _token_ids(tokenizer))[2])
+
+    def _frame(self, example: Example, tokenizer, ids) -> tuple[Haystack | WordList, list[int], list[int]]:
+        """The family's layout, and the token ids before the context (template head, worked example, instruction) and
+        after it (question, template end, answer prefix)."""
+        layout = FAMILIES[example["family"]].layout(example["draw"], example["haystack"])
+        before, after = self._template(tokenizer)
+        prefix = layout.prefix.lstrip() if before and after else layout.prefix  # after "assistant\n", no leading space
+        return layout, [*before, *ids(layout.shot), *ids(layout.head)], [*ids(layout.tail), *after, *ids(prefix)]
 
     def _too_short(self, example: Example, need: int) -> PromptTooLong:
         """A config error (`PromptTooLong`): the stages say it before any model loads."""
@@ -229,6 +232,17 @@ class Ruler(Task):
             values = [r[key] for r in rows]
             out[key], out[f"{key}_stderr"] = mean(values), stderr(values)
         return out
+
+
+def _token_ids(tokenizer):
+    """text -> its token ids without special tokens, memoised (a prompt tokenizes the same filler units many times)."""
+    cache: dict[str, list[int]] = {}
+
+    def ids(text: str) -> list[int]:
+        if text not in cache:
+            cache[text] = list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+        return cache[text]
+    return ids
 
 
 def ruler_match_all(completions: list[str], answers: list[list[str]]) -> float:
