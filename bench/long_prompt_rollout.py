@@ -8,8 +8,13 @@ prefills every row), `new` new tokens, eos disabled, sampling at temperature 1, 
   parity, except a prompt's own rows: `smd_cli.attention.kernels`)
 - `smd dense, f32 attention`: the same with `model.attention_dtype=null` (what the float64 costs; parity then holds to
   float32 rounding, not bit for bit)
-- `smd <policy> c`: our evicting sampler (SnapKV by default; `--policies snapkv,h2o,recent`) at each `--compression`
+- `smd <policy> c`: our evicting sampler (SnapKV by default; `--policies snapkv,h2o,recent`) at each `--compression`,
+  and `smd <policy> c, f32 attention` (float32 attention, as kvpress and `generate` attend)
 - `hf dynamic` / `hf static`: `model.generate` with transformers' SDPA attention, same weights
+- with `--kvpress-python .venv-kvpress/bin/python`: `kvpress snapkv c` (NVIDIA kvpress 0.5.5's SnapKVPress in
+  `generate`, its defaults: window 64, kernel 5, float32 SDPA) at each `--compression`, and `kvpress generate (no press)`,
+  in kvpress's own environment (transformers < 5.3) on the same rows, after ours; column `x kvpress snapkv`: ours over
+  kvpress's SnapKV at the same compression
 
 Each method is timed twice per round: the whole call (`new` tokens), and a call of one token (the prefill and the first
 sample); decode = (whole - prefill) / (new - 1) per step. Rounds are interleaved (one call of each method per round,
@@ -28,7 +33,9 @@ import argparse
 import copy
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -87,11 +94,27 @@ def methods(model, prompts: list[list[int]], policies: list[str], compressions: 
     for name in policies:
         for c in compressions:
             table[f"smd {name} {c}"] = ours(model, lambda name=name, c=c: POLICIES[name](c))
+            table[f"smd {name} {c}, f32 attention"] = ours(f32, lambda name=name, c=c: POLICIES[name](c))
     return {**table, "hf dynamic": theirs(), "hf static": theirs(cache_implementation="static")}
 
 
+def kvpress_side(python: str, model, prompts: list[list[int]], new: int, rounds: int, warmup: int, compressions) -> dict:
+    """kvpress's SnapKVPress (and its environment's plain `generate`) on the same rows, timed by bench/kvpress_peer.py
+    --side speed in the kvpress environment (kvpress 0.5.5 pins transformers < 5.3)."""
+    spec = {"model": model.config._name_or_path, "prompts": prompts, "new": new, "rounds": rounds, "warmup": warmup,
+            "compressions": compressions, "threads": torch.get_num_threads()}
+    if not Path(spec["model"]).is_dir():
+        raise SystemExit(f"--kvpress-python needs the model as a local directory; {spec['model']!r} is not one")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        subprocess.run([python, str(Path(__file__).parent / "kvpress_peer.py"), "--side", "speed", "--spec", str(spec_path),
+                        "--out", str(out_path)], check=True)
+        return json.loads(out_path.read_text())
+
+
 def measure(model, prompt: int, rows: int, group: int, new: int, rounds: int, warmup: int, policies, compressions,
-            only: list[str] | None = None) -> dict:
+            only: list[str] | None = None, kvpress_python: str | None = None) -> dict:
     prompts = [p for p in _prompts(rows // group, prompt, 40_000) for _ in range(group)]
     runs = methods(model, prompts, policies, compressions)
     if only:  # the ratios' references are always measured
@@ -114,21 +137,31 @@ def measure(model, prompt: int, rows: int, group: int, new: int, rounds: int, wa
         w, f = statistics.median(whole[name]), statistics.median(first[name])
         out[name] = {"whole_seconds": w, "prefill_seconds": f, "decode_ms_per_step": 1000 * (w - f) / (new - 1),
                      "tokens_per_second": rows * new / w, "kv_bytes_peak": max(kv[name]), "whole": whole[name], "prefill": first[name]}
+    if kvpress_python:
+        theirs = kvpress_side(kvpress_python, model, prompts, new, rounds, warmup, compressions)
+        for name, r in theirs["methods"].items():
+            out[name] = {**r, "decode_ms_per_step": 1000 * (r["whole_seconds"] - r["prefill_seconds"]) / (new - 1),
+                         "tokens_per_second": rows * new / r["whole_seconds"], "transformers": theirs["transformers"]}
     for row in out.values():
         row["x_hf_static"] = row["tokens_per_second"] / out["hf static"]["tokens_per_second"]
         row["x_smd_dense"] = row["tokens_per_second"] / out["smd dense"]["tokens_per_second"]
         row["kv_over_smd_dense"] = row["kv_bytes_peak"] / out["smd dense"]["kv_bytes_peak"]
+    for name, row in out.items():  # ours over kvpress's SnapKV at the same compression, when both ran
+        peer = out.get(f"kvpress snapkv {name.split()[2].rstrip(',')}") if name.startswith("smd snapkv") else None
+        if peer:
+            row["x_kvpress_snapkv"] = row["tokens_per_second"] / peer["tokens_per_second"]
     return out
 
 
 def format_table(prompt: int, table: dict) -> str:
     lines = [f"P = {prompt}",
-             f"{'method':<26} {'prefill s':>9} {'decode ms/step':>14} {'whole s':>8} {'tokens/s':>8} {'x hf static':>11} "
-             f"{'x smd dense':>11} {'KV MB':>8} {'KV x dense':>10}"]
+             f"{'method':<34} {'prefill s':>9} {'decode ms/step':>14} {'whole s':>8} {'tokens/s':>8} {'x hf static':>11} "
+             f"{'x smd dense':>11} {'KV MB':>8} {'KV x dense':>10} {'x kvpress snapkv':>16}"]
     for name, r in table.items():
-        lines.append(f"{name:<26} {r['prefill_seconds']:>9.2f} {r['decode_ms_per_step']:>14.1f} {r['whole_seconds']:>8.2f} "
+        peer = f"{r['x_kvpress_snapkv']:>16.2f}" if "x_kvpress_snapkv" in r else f"{'':>16}"
+        lines.append(f"{name:<34} {r['prefill_seconds']:>9.2f} {r['decode_ms_per_step']:>14.1f} {r['whole_seconds']:>8.2f} "
                      f"{r['tokens_per_second']:>8.2f} {r['x_hf_static']:>11.2f} {r['x_smd_dense']:>11.2f} "
-                     f"{r['kv_bytes_peak'] / 2**20:>8.1f} {r['kv_over_smd_dense']:>10.2f}")
+                     f"{r['kv_bytes_peak'] / 2**20:>8.1f} {r['kv_over_smd_dense']:>10.2f} {peer}")
     return "\n".join(lines)
 
 
@@ -146,6 +179,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="comma-separated parts of method names to run (besides the references "
                         "`smd dense` and `hf static`), e.g. 'h2o'")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kvpress-python", default=None, help="also time kvpress's SnapKVPress at each --compression (and its "
+                        "environment's plain generate) on the same rows, in that environment (make .venv-kvpress/.installed)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "bench" / "long_prompt_rollout.json")
     args = parser.parse_args()
     if args.rows % args.group or args.new < 2:
@@ -157,7 +192,7 @@ def main() -> None:
               "attention_dtype": getattr(model.config, "smd_attention_dtype", None), "lengths": {}}
     for prompt in (int(p) for p in args.prompts.split(",")):
         table = measure(model, prompt, args.rows, args.group, args.new, args.rounds, args.warmup, args.policies.split(","),
-                        [float(c) for c in args.compression.split(",")], [o for o in args.only.split(",") if o])
+                        [float(c) for c in args.compression.split(",")], [o for o in args.only.split(",") if o], args.kvpress_python)
         report["lengths"][str(prompt)] = table
         print(format_table(prompt, table), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)

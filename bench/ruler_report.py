@@ -22,28 +22,49 @@ def label(cell: dict) -> str:
     return f"{cell['family']}" + (f" ({cell['haystack']})" if cell.get("haystack") else "")
 
 
-def table(rows: list[dict]) -> str:
-    names = list(dict.fromkeys(name for cell in rows for name in cell["results"]))
-    head = "| family | tokens | n | " + " | ".join(names) + " | dense - snapkv@0.5 |"
-    out = [head, "|" + "---|" * (4 + len(names))]
+def merged(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
+    """(family label, tokens) -> policy@compression -> its result with its cell's n; where two cells hold the same
+    point, the one with more prompts (every cell evaluates the test examples 0..n-1, so smaller cells are prefixes)."""
+    out: dict[tuple, dict[str, dict]] = {}
     for cell in rows:
-        res = cell["results"]
-        parts = []
-        for name in names:
-            if name not in res:
-                parts.append("")
-                continue
-            s = res[name]["summary"]
-            kept = s.get("evidence/kept")
-            parts.append(f"{s['ruler']:.3f} ± {s['ruler_stderr']:.3f}" + ("" if kept is None or name == "dense" else f" (kept {kept:.2f})"))
-        gap = ""
-        if "dense" in res and "snapkv@0.5" in res:
-            a, b = res["dense"]["scores"], res["snapkv@0.5"]["scores"]
-            d = [x - y for x, y in zip(a, b)]
-            m = sum(d) / len(d)
-            se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
-            gap = f"{m:+.3f} ± {se:.3f}"
-        out.append(f"| {label(cell)} | {cell['prompt_tokens']} | {cell['n']} | " + " | ".join(parts) + f" | {gap} |")
+        points = out.setdefault((label(cell), cell["prompt_tokens"]), {})
+        for name, r in cell["results"].items():
+            if name not in points or points[name]["n"] < cell["n"]:
+                points[name] = {**r, "n": cell["n"]}
+    return out
+
+
+def _paired(a: list[float], b: list[float]) -> str:
+    """Mean ± standard error of a - b over the prompts both hold (the first min(len) test examples)."""
+    d = [x - y for x, y in zip(a, b)]
+    m = sum(d) / len(d)
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
+    return f"{m:+.3f} ± {se:.3f}"
+
+
+def table(rows: list[dict]) -> str:
+    """A row per (family, length, policy), a column per compression; the dense score beside, and the paired loss of
+    each policy at 0.5 against dense on the same prompts."""
+    grid = merged(rows)
+    compressions = sorted({float(name.partition("@")[2]) for points in grid.values() for name in points if "@" in name})
+    out = ["| family | tokens | dense | policy | " + " | ".join(f"c = {c}" for c in compressions) + " | dense - policy@0.5 (paired) |",
+           "|" + "---|" * (5 + len(compressions))]
+    for (name, tokens), points in grid.items():
+        dense = points.get("dense")
+        shown = f"{dense['summary']['ruler']:.3f} ± {dense['summary']['ruler_stderr']:.3f} (n {dense['n']})" if dense else ""
+        for policy in dict.fromkeys(n.partition("@")[0] for n in points if n != "dense"):
+            parts = []
+            for c in compressions:
+                r = points.get(f"{policy}@{c}")
+                if r is None:
+                    parts.append("")
+                    continue
+                s, kept = r["summary"], r["summary"].get("evidence/kept")
+                parts.append(f"{s['ruler']:.3f} ± {s['ruler_stderr']:.3f}" + ("" if kept is None else f" (kept {kept:.2f})")
+                             + ("" if dense and r["n"] == dense["n"] else f" n {r['n']}"))
+            half = points.get(f"{policy}@0.5")
+            gap = _paired(dense["scores"], half["scores"]) if dense and half else ""
+            out.append(f"| {name} | {tokens} | {shown} | {policy} | " + " | ".join(parts) + f" | {gap} |")
     return "\n".join(out)
 
 
