@@ -213,10 +213,9 @@ def score(task_rows: list[dict], examples: list[dict], task) -> list[dict]:
 
 def _mean_se(values: list[float], sign: bool = False) -> str:
     """'mean ± standard error' over prompts."""
-    n = len(values)
-    mean = sum(values) / n
-    se = (sum((v - mean) ** 2 for v in values) / (n - 1) / n) ** 0.5 if n > 1 else float("nan")
-    return f"{mean:+.3f} ± {se:.3f}" if sign else f"{mean:.3f} ± {se:.3f}"
+    from smd_cli.tasks.base import mean, stderr  # here: the kvpress side runs in an environment without smd
+
+    return f"{mean(values):{'+' if sign else ''}.3f} ± {stderr(values):.3f}"
 
 
 def main(argv: list[str]) -> None:

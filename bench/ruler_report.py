@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from smd_cli.tasks.base import mean, stderr  # noqa: E402
 
 
 def cells(paths: list[Path]) -> list[dict]:
@@ -37,9 +40,7 @@ def merged(rows: list[dict]) -> dict[tuple, dict[str, dict]]:
 def _paired(a: list[float], b: list[float]) -> str:
     """Mean ± standard error of a - b over the prompts both hold (the first min(len) test examples)."""
     d = [x - y for x, y in zip(a, b)]
-    m = sum(d) / len(d)
-    se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) if len(d) > 1 else float("nan")
-    return f"{m:+.3f} ± {se:.3f}"
+    return f"{mean(d):+.3f} ± {stderr(d):.3f}"
 
 
 def table(rows: list[dict]) -> str:
