@@ -157,9 +157,6 @@ def our_side(args) -> tuple[dict, dict]:
         path = model_source(cfg)[0]
         examples = task.examples("test", args.n)
         prompts = [task.encode_prompt(e, tokenizer) for e in examples]
-        if OUTSIDE & set(args.pairs) and not hasattr(task, "closing_tokens"):
-            raise SystemExit(f"pairs {sorted(OUTSIDE & set(args.pairs))} need a task that knows where its question starts (--task ruler)")
-        closing = [task.closing_tokens(e, tokenizer) if hasattr(task, "closing_tokens") else 0 for e in examples]
         grid, outside = {}, set()
         for pair in args.pairs:
             (option, fields), _ = PAIRS[pair]
@@ -178,6 +175,7 @@ def our_side(args) -> tuple[dict, dict]:
         out = evaluate_grid(model, tokenizer, task, examples, grid, max_new_tokens=task.max_new_tokens, prompts_per_batch=args.batch,
                             outside=frozenset(outside))
         seconds = time.perf_counter() - t0
+        closing = [task.closing_tokens(e, tokenizer) for e in examples] if outside else [0] * len(examples)  # evaluate_grid checked
         lengths = torch.tensor([len(p) for p in prompts])
         rows = []
         for (pair, c), policy in grid.items():

@@ -57,6 +57,11 @@ class PrefillView:
             total += self.attention(start, start + chunk).sum(dim=2)
         return total
 
+    def subset(self, rows: torch.Tensor, stop: int | None = None) -> PrefillView:
+        """The view of rows `rows` and prompt columns [0, stop), as if those rows' prompts ended there."""
+        return PrefillView(self.query[rows, :, :stop], self.key[rows, :, :stop], self.key_real[rows, :stop], self.scaling,
+                           self.layer_idx)
+
     def per_kv_head(self, scores: torch.Tensor) -> torch.Tensor:
         """Mean over each KV head's query group (GQA): [B, H, P] -> [B, Hkv, P]."""
         batch, heads, width = scores.shape
@@ -70,6 +75,20 @@ class Selection:
     index: torch.Tensor  # [B, Hkv, K] long: prompt columns kept
     ok: torch.Tensor  # [B, Hkv, K] bool
     scores: torch.Tensor  # [B, Hkv, K] float32: the policy's score of each kept entry
+
+    @staticmethod
+    def merge(batch: int, parts: list[tuple[torch.Tensor, Selection]]) -> Selection:
+        """One Selection of `batch` rows from the Selections of row subsets, `(rows, selection)`; K is the widest
+        part's, the others padded (index 0, ok False, score 0)."""
+        first = parts[0][1].index
+        shape = (batch, first.shape[1], max(s.index.shape[-1] for _, s in parts))
+        index = torch.zeros(shape, dtype=torch.long, device=first.device)
+        ok = torch.zeros(shape, dtype=torch.bool, device=first.device)
+        scores = torch.zeros(shape, dtype=torch.float32, device=first.device)
+        for rows, s in parts:
+            k = s.index.shape[-1]
+            index[rows, :, :k], ok[rows, :, :k], scores[rows, :, :k] = s.index, s.ok, s.scores
+        return Selection(index=index, ok=ok, scores=scores)
 
 
 class EvictionPolicy:

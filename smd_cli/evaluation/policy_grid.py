@@ -56,18 +56,8 @@ class PerRow(EvictionPolicy):
         return out
 
     def select_prefill(self, view: PrefillView, budget: torch.Tensor) -> Selection:
-        chosen = [(rows, policy.select_prefill(PrefillView(view.query[rows], view.key[rows], view.key_real[rows], view.scaling,
-                                                           view.layer_idx), budget[rows]))
-                  for policy, rows in self._rows(view.key.device)]
-        width = max(s.index.shape[-1] for _, s in chosen)
-        shape = (view.key.shape[0], view.key.shape[1], width)
-        index = torch.zeros(shape, dtype=torch.long, device=view.key.device)
-        ok = torch.zeros(shape, dtype=torch.bool, device=view.key.device)
-        scores = torch.zeros(shape, dtype=torch.float32, device=view.key.device)
-        for rows, s in chosen:
-            k = s.index.shape[-1]
-            index[rows, :, :k], ok[rows, :, :k], scores[rows, :, :k] = s.index, s.ok, s.scores
-        return Selection(index=index, ok=ok, scores=scores)
+        return Selection.merge(view.key.shape[0], [(rows, policy.select_prefill(view.subset(rows), budget[rows]))
+                                                   for policy, rows in self._rows(view.key.device)])
 
     def cache_growth(self, decode_steps: int) -> int:
         return max(p.cache_growth(decode_steps) for p in self.policies)

@@ -34,30 +34,20 @@ class ContextOnly(EvictionPolicy):
         return self.inner.budget(prompt_lengths - closing) + closing
 
     def select_prefill(self, view: PrefillView, budget: torch.Tensor) -> Selection:
-        width = view.key.shape[2]
+        width, heads = view.key.shape[2], view.key.shape[1]
         closing = self.closing.to(view.key.device)
-        heads = view.key.shape[1]
         parts = []
         for t in closing.unique().tolist():
             rows = torch.nonzero(closing == t).flatten()
             cut = width - t
-            context = PrefillView(view.query[rows, :, :cut], view.key[rows, :, :cut], view.key_real[rows, :cut], view.scaling,
-                                  view.layer_idx)
-            chosen = self.inner.select_prefill(context, budget[rows] - t)
+            chosen = self.inner.select_prefill(view.subset(rows, cut), budget[rows] - t)
             tail = torch.arange(cut, width, device=view.key.device).expand(len(rows), heads, t)
             index = torch.cat([chosen.index, tail], dim=-1)
             ok = torch.cat([chosen.ok, torch.ones_like(tail, dtype=torch.bool)], dim=-1)
             scores = torch.cat([chosen.scores, torch.full(tail.shape, float("inf"), device=view.key.device)], dim=-1)
             order = torch.where(ok, index, width).argsort(dim=-1, stable=True)  # by position, the padding last
-            parts.append((rows, index.gather(-1, order), ok.gather(-1, order), scores.gather(-1, order)))
-        k = max(p[1].shape[-1] for p in parts)
-        shape = (view.key.shape[0], heads, k)
-        index = torch.zeros(shape, dtype=torch.long, device=view.key.device)
-        ok = torch.zeros(shape, dtype=torch.bool, device=view.key.device)
-        scores = torch.zeros(shape, dtype=torch.float32, device=view.key.device)
-        for rows, i, o, s in parts:
-            index[rows, :, :i.shape[-1]], ok[rows, :, :i.shape[-1]], scores[rows, :, :i.shape[-1]] = i, o, s
-        return Selection(index=index, ok=ok, scores=scores)
+            parts.append((rows, Selection(index.gather(-1, order), ok.gather(-1, order), scores.gather(-1, order))))
+        return Selection.merge(view.key.shape[0], parts)
 
     # decoding is the inner policy's
     def decode_scores(self, slot_scores, attention, step):
