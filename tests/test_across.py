@@ -59,28 +59,29 @@ def test_across_tasks_names_the_claims_whose_verdict_changes(tmp_path):
     assert "re-run with `make B`" in text
 
 
-def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path):
-    """`smd reproduce small=true tasks=[passkey,niah_multikey]`: passkey as the scale has it, in ROOT (its finished runs
-    count); niah_multikey's main table (five algorithms) and compression ablation (0.5, 0.7) on RULER at 1024 tokens in
-    ROOT/tasks/niah_multikey, composed as `smd ablate` composes them."""
+@pytest.mark.parametrize("family, new_tokens", [("niah_multikey", 16), ("niah_multivalue", 64)])
+def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path, family, new_tokens):
+    """`smd reproduce small=true tasks=[passkey,FAMILY]`: passkey as the scale has it, in ROOT (its finished runs count);
+    the family's main table (five algorithms) and compression ablation (0.5, 0.7) on RULER at 1024 tokens in
+    ROOT/tasks/FAMILY, composed as `smd ablate` composes them."""
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("reproduce", overrides=["small=true", "tasks=[passkey,niah_multikey]", f"root={tmp_path}", f"out={tmp_path / 'o'}"])
+        cfg = compose("reproduce", overrides=["small=true", f"tasks=[passkey,{family}]", f"root={tmp_path}", f"out={tmp_path / 'o'}"])
         scale = validate(cfg)
         passkey, niah = tasks(cfg, scale, tmp_path, tmp_path / "o")
         assert (passkey.root, passkey.out, passkey.own, list(passkey.tables)) == (tmp_path, tmp_path / "o", True,
                                                                                   ["main", "compression", "lambda", "selection"])
-        assert (niah.root, niah.out, niah.own) == (tmp_path / "tasks" / "niah_multikey", tmp_path / "o" / "tasks" / "niah_multikey", False)
+        assert (niah.root, niah.out, niah.own) == (tmp_path / "tasks" / family, tmp_path / "o" / "tasks" / family, False)
         assert list(niah.tables) == ["main", "compression"] and niah.cost["benchmarks_s"] == 0
         runs = {}
         for role, recipe in niah.tables.items():
             overrides = sweep_overrides(cfg, scale, recipe, niah)
             ablate = compose("ablate", overrides=overrides)
-            assert ablate.ablate.runs_dir == str(tmp_path / "tasks" / "niah_multikey" / "members")
+            assert ablate.ablate.runs_dir == str(tmp_path / "tasks" / family / "members")
             for m in distinct(plan(ablate, [o for o in overrides if not o.startswith("ablate.")])[1]):
                 runs[m.identity] = dict(m.combo)
                 member = compose("train", overrides=m.overrides)
-                assert (member.task.family, member.task.prompt_tokens, member.task.max_new_tokens) == ("niah_multikey", 1024, 16)
+                assert (member.task.family, member.task.prompt_tokens, member.task.max_new_tokens) == (family, 1024, new_tokens)
                 assert member.model.name == "smollm2_135m" and member.steps == 20
     algos = {(v["algo"], v.get("compression", "0.5")) for v in runs.values()}
     assert algos == {(a, "0.5") for a in ("dense", "naive_sparse", "sparse_rl", "tis", "smd")} | {
@@ -90,7 +91,7 @@ def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path
 
 def test_a_task_selection_it_cannot_run_is_a_config_error(capsys):
     for overrides, why in ((["tasks=[passkey]"], "tasks=['passkey'] is not allowed: null unless small=true"),
-                           (["small=true", "tasks=[passkey,ruler]"], "null or distinct names of task_sets: passkey, niah_multikey"),
+                           (["small=true", "tasks=[passkey,ruler]"], "null or distinct names of task_sets: passkey, niah_multikey, niah_multivalue"),
                            (["small=true", "tasks=[passkey,passkey]"], "null or distinct names of task_sets"),
                            (["small=true", "tasks=[niah_multikey]", "only=[lambda]"], "tables that task niah_multikey runs (main, compression)"),
                            (["small=true", "tasks=[passkey,copy]", "+task_sets.copy={overrides:[],only:null,quick:[],cost:{}}"],
