@@ -8,6 +8,8 @@ sees Hydra.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any
 
@@ -61,6 +63,30 @@ class Task:
         scores = [self.reward(c, e) for c, e in zip(completions, examples, strict=True)]
         exact = [float(s >= 1.0) for s in scores]
         return {"reward": mean(scores), "reward_stderr": stderr(scores), "exact": mean(exact), "exact_stderr": stderr(exact)}
+
+
+class EvidenceMemo:
+    """The answer-bearing token positions of the last `size` prompts a task encoded, keyed by (example id, the
+    prompt ids), for `evidence_positions`: positions are known while the prompt is built and not after."""
+
+    def __init__(self, size: int = 8192):
+        self.size = size
+        self._positions: dict[tuple, list[int]] = {}
+
+    @staticmethod
+    def _key(example: Example, prompt_ids: list[int]) -> tuple:
+        return example["id"], len(prompt_ids), hashlib.sha1(json.dumps(list(prompt_ids)).encode()).hexdigest()
+
+    def remember(self, example: Example, prompt_ids: list[int], positions: list[int]) -> None:
+        if len(self._positions) >= self.size:
+            self._positions.pop(next(iter(self._positions)))
+        self._positions[self._key(example, prompt_ids)] = positions
+
+    def lookup(self, example: Example, prompt_ids: list[int]) -> list[int]:
+        try:
+            return self._positions[self._key(example, prompt_ids)]
+        except KeyError:
+            raise ValueError(f"{example['id']}: these prompt ids were not made by this task's encode_prompt") from None
 
 
 def mean(xs: list[float]) -> float:

@@ -22,13 +22,11 @@ pure function of (seed, split, index); each records its key, depth and haystack 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import re
 from pathlib import Path
 
-from smd_cli.tasks.base import Example, Task
+from smd_cli.tasks.base import EvidenceMemo, Example, Task
 from smd_cli.tasks.datafiles import MAX_FILE_BYTES, MAX_ROW_BYTES, DataFileError, check_type, read_rows
 
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
@@ -39,7 +37,6 @@ NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\nWhat is the pass key?"
 HAYSTACKS = ("filler", "govreport")
 DIGITS = re.compile(r"\d+")
-MEMO = 8192  # prompts whose key positions are remembered (`evidence_positions`)
 
 
 class Passkey(Task):
@@ -75,7 +72,7 @@ class Passkey(Task):
         self.haystack, self.haystack_file = haystack, haystack_file
         self.size = {"train": 100_000, "validation": 256, "test": 256, **(size or {})}
         self.seed = seed
-        self._evidence: dict[tuple, list[int]] = {}  # (example id, len, digest of the ids) -> the key's token positions
+        self._evidence = EvidenceMemo()  # the answer-bearing token positions of the prompts encoded lately
 
     # -- examples ----------------------------------------------------------------------------------
     def example(self, split: str, index: int) -> Example:
@@ -142,9 +139,7 @@ class Passkey(Task):
         prompt_ids = prefix + body + suffix
         key_tokens = self._key_positions(tokenizer, example["key"], needle)
         start = len(prefix) + len(ids(PREAMBLE)) + len(before)
-        if len(self._evidence) >= MEMO:
-            self._evidence.pop(next(iter(self._evidence)))
-        self._evidence[self._memo_key(example, prompt_ids)] = [start + i for i in key_tokens]
+        self._evidence.remember(example, prompt_ids, [start + i for i in key_tokens])
         return tokenizer.decode(body), prompt_ids
 
     def encode_prompt(self, example: Example, tokenizer) -> list[int]:
@@ -171,15 +166,9 @@ class Passkey(Task):
         keys = [m.span() for m in re.finditer(re.escape(key), tokenizer.decode(needle_ids))]
         return [i for i, (a, b) in enumerate(spans) if any(a < e and s < b for s, e in keys)]
 
-    def _memo_key(self, example: Example, prompt_ids: list[int]) -> tuple:
-        return example["id"], len(prompt_ids), hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()
-
     def evidence_positions(self, example: Example, prompt_ids: list[int]) -> list[int]:
         """Positions in `prompt_ids` (from `encode_prompt` of this task) of the key's tokens, both copies."""
-        try:
-            return self._evidence[self._memo_key(example, list(prompt_ids))]
-        except KeyError:
-            raise ValueError(f"{example['id']}: these prompt ids were not made by this task's encode_prompt") from None
+        return self._evidence.lookup(example, prompt_ids)
 
     # -- reward ----------------------------------------------------------------------------------------
     def reward(self, completion: str, example: Example) -> float:

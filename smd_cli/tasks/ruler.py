@@ -31,18 +31,15 @@ Scoring:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import random
 import re
 
 from smd_cli.tasks import ruler_families
-from smd_cli.tasks.base import Example, Task, mean, stderr
+from smd_cli.tasks.base import EvidenceMemo, Example, Task, mean, stderr
 from smd_cli.tasks.loading import PromptTooLong
 from smd_cli.tasks.ruler_families import FAMILIES, Haystack, WordList
 
 SPLIT_SEEDS = {"train": 0, "validation": 1, "test": 2}
-MEMO = 8192  # prompts whose evidence positions are remembered (`evidence_positions`)
 WORD = re.compile(r"[a-z0-9-]+")
 
 
@@ -73,7 +70,7 @@ class Ruler(Task):
         self.chat_template = bool(chat_template)
         self.size = {"train": 100_000, "validation": 256, "test": 256, **(size or {})}
         self.seed = seed
-        self._evidence: dict[tuple, list[int]] = {}
+        self._evidence = EvidenceMemo()  # the answer-bearing token positions of the prompts encoded lately
 
     # -- examples --------------------------------------------------------------------------------------------
     def example(self, split: str, index: int) -> Example:
@@ -109,9 +106,7 @@ class Ruler(Task):
             context, evidence = self._word_list(layout, ids, budget, example)
         prompt_ids = fixed + context + closing
         positions = [len(fixed) + p for p in evidence]
-        if len(self._evidence) >= MEMO:
-            self._evidence.pop(next(iter(self._evidence)))
-        self._evidence[self._memo_key(example, prompt_ids)] = positions
+        self._evidence.remember(example, prompt_ids, positions)
         user = tokenizer.decode([*ids(layout.shot), *ids(layout.head), *context, *ids(layout.tail)])
         return user, prompt_ids
 
@@ -201,15 +196,9 @@ class Ruler(Task):
         head, tail = text.split(marker)
         return list(tokenizer(head, add_special_tokens=False)["input_ids"]), list(tokenizer(tail, add_special_tokens=False)["input_ids"])
 
-    def _memo_key(self, example: Example, prompt_ids: list[int]) -> tuple:
-        return example["id"], len(prompt_ids), hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()
-
     def evidence_positions(self, example: Example, prompt_ids: list[int]) -> list[int]:
         """Positions in `prompt_ids` (from this task's `encode_prompt`) of the answer-bearing tokens."""
-        try:
-            return self._evidence[self._memo_key(example, list(prompt_ids))]
-        except KeyError:
-            raise ValueError(f"{example['id']}: these prompt ids were not made by this task's encode_prompt") from None
+        return self._evidence.lookup(example, prompt_ids)
 
     # -- scoring ---------------------------------------------------------------------------------------------
     def score(self, completion: str, example: Example) -> dict[str, float]:
