@@ -47,6 +47,20 @@ def test_the_prompt_has_its_length_and_the_answers_sit_at_the_evidence(tiny_toke
             assert distractor not in kept
 
 
+def test_evidence_is_known_only_for_the_prompts_the_task_built(tiny_tokenizer):
+    task, example, _, ids = built(tiny_tokenizer, "niah_single", "noise", prompt_tokens=400)
+    assert task.evidence_positions(example, list(ids)) == task.evidence_positions(example, tuple(ids))
+    with pytest.raises(ValueError, match=f"{example['id']}: these prompt ids were not made by this task's encode_prompt"):
+        task.evidence_positions(example, ids[:-1])  # one token short: not a prompt this task made
+    task._evidence.size = 2  # the memo keeps the last `size` prompts: a third evicts the first
+    others = [built(tiny_tokenizer, "niah_single", "noise", index=i, prompt_tokens=400)[1:4:2] for i in (1, 2)]
+    for other, other_ids in others:
+        task.fit_prompt(other, tiny_tokenizer)
+    with pytest.raises(ValueError):
+        task.evidence_positions(example, ids)
+    assert task.evidence_positions(*others[-1])
+
+
 def test_the_needle_haystack_is_made_of_distractor_needles_and_multikey_asks_one_of_four_keys(tiny_tokenizer):
     _, example, text, _ = built(tiny_tokenizer, "niah_multikey", "needle")
     lines = text.split("\n")
