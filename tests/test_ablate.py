@@ -3,6 +3,7 @@ run once, failed runs (reported with their reason, no bar, exit 1), resuming a s
 the first run, and real sweeps of tiny runs through Hydra's joblib and submitit launchers."""
 
 import csv
+import hashlib
 import json
 import os
 import subprocess
@@ -226,21 +227,24 @@ def test_a_run_recorded_with_the_fixed_prompts_stands_for_its_member(fake_train,
     assert sorted(n.rsplit("_", 1)[0] for n in again) == sorted(n.rsplit("_", 1)[0] for n in first)  # the same runs, new identities
 
 
+def by_hand(cfg, drop_prompts=True, **model):
+    """A member's identity recomputed by hand: the SHA-256 of its composed config less NOT_IDENTITY (`model`: keys
+    replaced)."""
+    config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items()
+              if k not in sweep.NOT_IDENTITY}
+    config["model"].update(model)
+    if drop_prompts:
+        del config["eval"]["prompts"]
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def test_eval_prompts_fixed_keeps_the_identity_of_the_runs_recorded_before_it():
     """A member's identity is the SHA-256 of its composed config less NOT_IDENTITY (here recomputed by hand): with
     eval.prompts=fixed the key is left out, so it is the identity every run recorded before the key has; per_seed is a
     different run, whose twin (`Member.twin`) is the fixed one. The small reproduction's records (results/reproduce_small/
     members) are every one the twin of a member of today's main table."""
-    import hashlib
-
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         fixed, per_seed = (compose("train", overrides=["algo=smd", f"eval.prompts={d}"]) for d in ("fixed", "per_seed"))
-    def by_hand(cfg, drop_prompts):
-        config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items()
-                  if k not in sweep.NOT_IDENTITY}
-        if drop_prompts:
-            del config["eval"]["prompts"]
-        return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
     assert sweep.config_identity(fixed) == by_hand(fixed, True) == sweep.config_identity(per_seed, prompts="fixed")
     assert sweep.config_identity(per_seed) == by_hand(per_seed, False) != sweep.config_identity(fixed)
     recorded = {p.name for p in (CONF.parent / "results" / "reproduce_small" / "members").iterdir() if p.is_dir()}
@@ -372,3 +376,20 @@ def test_console_tables_do_not_break_words_at_140_columns(tmp_path, monkeypatch)
                      ("lambda=0.8", "eval/reward_after"): (pytest.approx(0.123456), None),
                      ("lambda=0.8", "eval/evict/reward_after"): (pytest.approx(0.123456), None)}
     assert (tmp_path / "ablation_mean.png").stat().st_size > 10_000
+
+
+def test_cpu_dtype_auto_is_the_dtype_this_machine_computes_in(monkeypatch):
+    """`model.cpu_dtype=auto` runs in bfloat16 on a CPU with native bf16 and in float32 elsewhere: two different runs,
+    so two identities (a sweep continued on the other kind of machine runs its members again rather than pairing a
+    float32 run with a bfloat16 one). Where auto means float32 the identity is the one recorded before this rule."""
+    from smd_cli.model import precision
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        auto, bf16 = (compose("train", overrides=["model=smollm2_135m", "device=cpu", f"model.cpu_dtype={d}"])
+                      for d in ("auto", "bfloat16"))
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)
+    assert sweep.config_identity(auto) == by_hand(auto, False)
+    monkeypatch.setattr(precision, "native_bf16", lambda: True)
+    assert sweep.config_identity(auto) == by_hand(auto, False, cpu_dtype="bfloat16") == sweep.config_identity(bf16) != by_hand(auto, False)
+    auto.device = "cuda"  # a GPU computes in model.dtype whatever the CPU has
+    assert sweep.config_identity(auto) == by_hand(auto, False)

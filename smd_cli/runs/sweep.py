@@ -232,10 +232,12 @@ def config_identity(cfg: DictConfig, prompts: str | None = None) -> str:
     """SHA-256 of a composed train config, less the keys that only change how it is carried out (NOT_IDENTITY)
     and `lambda` for the algorithms that do not read it (all but those that distil: SMD). `eval.prompts` at its
     legacy value `fixed` is left out too: a run recorded before the key existed evaluated the fixed prompts, and keeps
-    its identity (and directory) as the run of `eval.prompts=fixed`. `prompts`: the identity with that draw instead
+    its identity (and directory) as the run of `eval.prompts=fixed`. `model.cpu_dtype=auto` is the dtype this machine
+    computes in (`_resolve_cpu_dtype`). `prompts`: the identity with that draw instead
     (a per-seed member's fixed-prompts twin, `Member.twin`)."""
     unused = NOT_IDENTITY + (() if cfg.algo.get("distill") else ("lambda",))
     config = {k: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v for k, v in cfg.items() if k not in unused}
+    _resolve_cpu_dtype(config)
     held = config.get("eval")
     if isinstance(held, dict) and "prompts" in held:
         draw = prompts or held["prompts"]
@@ -243,6 +245,24 @@ def config_identity(cfg: DictConfig, prompts: str | None = None) -> str:
         if draw != LEGACY:
             held["prompts"] = draw
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _resolve_cpu_dtype(config: dict) -> None:
+    """`model.cpu_dtype=auto` as what this machine computes in, where that is not `model.dtype` (a CPU with native
+    bf16): a run in bfloat16 is not the run in float32 that `auto` names on a CPU without it, and a sweep continued on
+    another machine must not pair the two. Where `auto` resolves to `model.dtype` it stays `auto` (the identity runs
+    recorded before this rule have), and a run that goes to a GPU computes in `model.dtype` whatever the CPU has."""
+    model = config.get("model")
+    if not isinstance(model, dict) or model.get("cpu_dtype") != "auto":
+        return
+    import torch  # here, not above: a sweep of configs without `auto` plans without torch
+
+    from smd_cli.model.precision import cpu_compute_dtype
+    if config.get("device") == "cuda" or (config.get("device") == "auto" and torch.cuda.is_available()):
+        return
+    resolved = cpu_compute_dtype("auto", model.get("dtype"))
+    if resolved != model.get("dtype"):
+        model["cpu_dtype"] = resolved
 
 
 def _compose_context():
