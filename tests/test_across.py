@@ -60,10 +60,13 @@ def test_across_tasks_names_the_claims_whose_verdict_changes(tmp_path):
 
 
 @pytest.mark.parametrize("family, new_tokens", [("niah_multikey", 16), ("niah_multivalue", 64)])
-def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path, family, new_tokens):
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path, monkeypatch, family, new_tokens, native_bf16):
     """`smd reproduce small=true tasks=[passkey,FAMILY]`: passkey as the scale has it, in ROOT (its finished runs count);
     the family's main table (five algorithms) and compression ablation (0.5, 0.7) on RULER at 1024 tokens in
-    ROOT/tasks/FAMILY, composed as `smd ablate` composes them."""
+    ROOT/tasks/FAMILY, composed as `smd ablate` composes them; its cost model the seconds of the dtype it computes in
+    on this machine (model.cpu_dtype=auto: bf16 where the CPU has it)."""
+    monkeypatch.setattr("smd_cli.model.precision.native_bf16", lambda: native_bf16)
     register_recipes()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("reproduce", overrides=["small=true", f"tasks=[passkey,{family}]", f"root={tmp_path}", f"out={tmp_path / 'o'}"])
@@ -73,6 +76,11 @@ def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path
                                                                                   ["main", "compression", "lambda", "selection"])
         assert (niah.root, niah.out, niah.own) == (tmp_path / "tasks" / family, tmp_path / "o" / "tasks" / family, False)
         assert list(niah.tables) == ["main", "compression"] and niah.cost["benchmarks_s"] == 0
+        own = cfg.task_sets[family].cost[("bfloat16" if native_bf16 else "float32")]
+        assert niah.cost == {**cfg.cost.small, "run_s": 15, "step_s": own.step_s, "eval_prompt_s": own.eval_prompt_s, "benchmarks_s": 0}
+        assert passkey.cost == dict(cfg.cost.small)
+        if not native_bf16:
+            return  # the runs' identities are the machine's (test_ablate); composed once
         runs = {}
         for role, recipe in niah.tables.items():
             overrides = sweep_overrides(cfg, scale, recipe, niah)

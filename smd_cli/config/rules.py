@@ -393,6 +393,8 @@ PATTERNS: dict[str, Rule] = {  # globs, the first that matches wins (`*` also ma
     "task_sets.*.overrides": strings("a list of overrides of every run of the task"),
     "task_sets.*.quick": strings("a list of overrides of the task's runs with quick=true"),
     "task_sets.*.only": strings("a non-empty list of tables, e.g. [main, compression]", nonempty=True, null="all of the scale's tables"),
+    **{f"task_sets.*.cost.{dtype}": mapping(f"the seconds (step_s, eval_prompt_s, ...) where the runs compute in {dtype}")
+       for dtype in ("float32", "bfloat16")},  # before the seconds: `*` matches dots
     "task_sets.*.cost.*": real(0, text="a finite number of seconds >= 0"),
     "task_sets.*.cost": mapping("the cost model's seconds that differ from the scale's (step_s, eval_prompt_s, ...)"),
     "task_sets.*": mapping("{overrides, only, quick, cost} of a task"),  # after its keys: `*` matches dots

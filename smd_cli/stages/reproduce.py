@@ -39,6 +39,7 @@ from rich.table import Table
 
 from smd_cli.config.rules import check_config
 from smd_cli.config.validation import ROOT, ConfigError, check
+from smd_cli.model.precision import cpu_compute_dtype
 from smd_cli.report import budget, claims
 from smd_cli.report.across import write_across
 from smd_cli.report.data import Run, Sweep, WeightsDiffer
@@ -109,11 +110,20 @@ def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
         t = cfg.task_sets[name]
         own = not t.overrides
         overrides = (*t.overrides, *(t.quick if cfg.quick else ()))
-        cost = base and {**base, **(t.cost or {}), **({} if own else {"benchmarks_s": 0})}
+        cost = base and {**base, **task_cost(t.cost, overrides), **({} if own else {"benchmarks_s": 0})}
         mine = {role: recipe for role, recipe in tables.items() if t.only is None or role in t.only}
         found.append(Task(name, tuple(map(str, overrides)), mine, root if own else root / "tasks" / name,
                           out if own else out / "tasks" / name, cost))
     return found
+
+
+def task_cost(cost, overrides: tuple) -> dict:
+    """A task set's own seconds of the cost model, with those of the dtype its runs compute in on this machine where it
+    gives them (`float32:` / `bfloat16:` entries; `model.cpu_dtype=auto` is bfloat16 where the CPU has it natively)."""
+    own = dict(cost or {})
+    by_dtype = {dtype: own.pop(dtype) for dtype in ("float32", "bfloat16") if dtype in own}
+    dtype = cpu_compute_dtype("auto", "float32") if "model.cpu_dtype=auto" in overrides else "float32"
+    return {**own, **by_dtype.get(dtype, {})}
 
 
 def rule(cfg: DictConfig, scale: str) -> Sequential:
