@@ -14,7 +14,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from smd_cli.cli import sweep_arguments
+from smd_cli.cli import register_recipes, sweep_arguments
 from smd_cli.config.validation import ConfigError
 from smd_cli.report.sweep_tables import write_plot
 from smd_cli.runs import sweep
@@ -248,6 +248,7 @@ def test_eval_prompts_fixed_keeps_the_identity_of_the_runs_recorded_before_it():
     assert sweep.config_identity(fixed) == by_hand(fixed, True) == sweep.config_identity(per_seed, prompts="fixed")
     assert sweep.config_identity(per_seed) == by_hand(per_seed, False) != sweep.config_identity(fixed)
     recorded = {p.name for p in (CONF.parent / "results" / "reproduce_small" / "members").iterdir() if p.is_dir()}
+    register_recipes()  # `+recipe=...` as the CLI has it (alone, no earlier test registered them)
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("ablate", overrides=["+recipe=small_main_table"])
         members = sweep.plan(cfg, ["+recipe=small_main_table"])[1]
