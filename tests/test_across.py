@@ -12,7 +12,7 @@ from smd_cli.cli import CONF_DIR, main, register_recipes
 from smd_cli.report.across import write_across
 from smd_cli.report.claims import CEILING
 from smd_cli.runs.sweep import distinct, plan
-from smd_cli.stages.reproduce import sweep_overrides, tasks, validate
+from smd_cli.stages.reproduce import sweep_overrides, task_cost, tasks, validate
 
 FIELDS = ["claim", "paper", "scope", "view", "verdict", "prompts", "seeds", "d", "se", "critical", "pending", "detectable",
           "paper_difference", "seeds_needed", "evidence", "rule"]
@@ -79,6 +79,10 @@ def test_each_task_runs_its_tables_with_its_overrides_in_its_own_folder(tmp_path
         own = cfg.task_sets[family].cost[("bfloat16" if native_bf16 else "float32")]
         assert niah.cost == {**cfg.cost.small, "run_s": 15, "step_s": own.step_s, "eval_prompt_s": own.eval_prompt_s, "benchmarks_s": 0}
         assert passkey.cost == dict(cfg.cost.small)
+        by_dtype = cfg.task_sets[family].cost
+        for asked, dtype in (("model.cpu_dtype=bfloat16", "bfloat16"), ("model.cpu_dtype=null", "float32"),
+                             ("model.cpu_dtype=float32", "float32")):  # a set dtype is the dtype, whatever the CPU has
+            assert task_cost(by_dtype, (*cfg.task_sets[family].overrides, asked))["step_s"] == by_dtype[dtype].step_s
         if not native_bf16:
             return  # the runs' identities are the machine's (test_ablate); composed once
         runs = {}

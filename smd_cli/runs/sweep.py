@@ -258,6 +258,7 @@ def _resolve_cpu_dtype(config: dict) -> None:
     import torch  # here, not above: a sweep of configs without `auto` plans without torch
 
     from smd_cli.model.precision import cpu_compute_dtype
+
     if config.get("device") == "cuda" or (config.get("device") == "auto" and torch.cuda.is_available()):
         return
     resolved = cpu_compute_dtype("auto", model.get("dtype"))

@@ -119,10 +119,12 @@ def tasks(cfg: DictConfig, scale: str, root: Path, out: Path) -> list[Task]:
 
 def task_cost(cost, overrides: tuple) -> dict:
     """A task set's own seconds of the cost model, with those of the dtype its runs compute in on this machine where it
-    gives them (`float32:` / `bfloat16:` entries; `model.cpu_dtype=auto` is bfloat16 where the CPU has it natively)."""
+    gives them (`float32:` / `bfloat16:` entries): its last `model.cpu_dtype=` override as `smd train` resolves it
+    (`auto`: bfloat16 where the CPU has it natively), over SmolLM2's float32."""
     own = dict(cost or {})
     by_dtype = {dtype: own.pop(dtype) for dtype in ("float32", "bfloat16") if dtype in own}
-    dtype = cpu_compute_dtype("auto", "float32") if "model.cpu_dtype=auto" in overrides else "float32"
+    asked = [o.split("=", 1)[1] for o in overrides if o.startswith("model.cpu_dtype=")]
+    dtype = cpu_compute_dtype(asked[-1] if asked and asked[-1] != "null" else None, "float32")
     return {**own, **by_dtype.get(dtype, {})}
 
 
